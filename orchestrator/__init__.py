@@ -1,0 +1,1 @@
+"""thinkahead.orchestrator: see ../shared/DESIGN.md; built in later issues."""

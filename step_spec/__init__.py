@@ -1,0 +1,1 @@
+"""thinkahead.step_spec: see ../shared/DESIGN.md; built in later issues."""

@@ -1,0 +1,35 @@
+"""Shared pytest fixtures: tiny random models (built in code) and engines over them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from tests.tiny_models import tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory() -> Callable[..., torch.nn.Module]:
+    """`factory(arch, dtype=torch.float32, seed=0)` -> a cached tiny model; treat it as read-only."""
+    cache: dict[tuple[str, torch.dtype, int], torch.nn.Module] = {}
+
+    def factory(arch: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.nn.Module:
+        key = (arch, dtype, seed)
+        if key not in cache:
+            cache[key] = tiny_model(arch, dtype=dtype, seed=seed)
+        return cache[key]
+
+    return factory
+
+
+@pytest.fixture(scope="session")
+def tiny_engine_factory(tiny_model_factory):
+    """`factory(arch, dtype=torch.float32, seed=0)` -> an `HFEngine` over the cached tiny model."""
+    from thinkahead.token_spec.backends.hf import HFEngine
+
+    def factory(arch: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> HFEngine:
+        return HFEngine(tiny_model_factory(arch, dtype=dtype, seed=seed))
+
+    return factory

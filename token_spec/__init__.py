@@ -1,0 +1,1 @@
+"""Token-level speculation: suffix-tree drafting, lossless verification, the draft/verify loop."""

@@ -1,0 +1,1 @@
+"""Model backends that run the target (and draft) models."""

@@ -1,0 +1,1 @@
+"""thinkahead.verifiers: see ../shared/DESIGN.md; built in later issues."""

@@ -1,0 +1,1 @@
+"""thinkahead.workflows: see ../shared/DESIGN.md; built in later issues."""
