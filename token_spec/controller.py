@@ -1,0 +1,135 @@
+"""Speculation-length control: how many draft tokens to verify each round.
+
+- `FixedController`: always the same budget.
+- `MatchLengthController`: SuffixDecoding's rule, budget = min(max_tokens,
+  floor(match_len * factor + offset)): a longer context match earns a longer draft.
+  The suffix cache applies it inside its search; for other model-free drafts the
+  controller trims to it.
+- `AdaptiveController`: picks the budget that maximises expected tokens per
+  second from an online estimate of the acceptance rate and of the measured cost
+  of verifying k tokens; when drafts keep failing it drops to zero (plain
+  decoding) and keeps probing with free, unverified drafts, so text with nothing
+  to copy runs at plain-decoding speed.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from thinkahead.token_spec.draft import Draft
+
+
+class SpeculationController(Protocol):
+    name: str
+    max_tokens: int
+
+    def budget(self) -> int:
+        """Draft tokens to ask for this round (0 = decode one token plainly)."""
+        ...
+
+    def trim(self, draft: Draft) -> Draft:
+        """Cut a proposed draft to what this round should verify."""
+        ...
+
+    def update(self, proposed: int, accepted: int, fed: int | None = None, seconds: float | None = None) -> None:
+        """Learn from one round; `fed`/`seconds` are the verify forward's size and time (None for a probe)."""
+        ...
+
+
+class FixedController:
+    """Always propose `max_tokens` tokens."""
+
+    def __init__(self, max_tokens: int = 8) -> None:
+        if max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+        self.max_tokens = max_tokens
+        self.name = f"fixed-{max_tokens}"
+
+    def budget(self) -> int:
+        return self.max_tokens
+
+    def trim(self, draft: Draft) -> Draft:
+        return draft.truncated(self.max_tokens)
+
+    def update(self, proposed: int, accepted: int, fed: int | None = None, seconds: float | None = None) -> None:
+        pass
+
+
+class MatchLengthController(FixedController):
+    """SuffixDecoding's rule: budget = min(max_tokens, floor(match_len * factor + offset))."""
+
+    def __init__(self, max_tokens: int = 16, factor: float = 1.0, offset: float = 0.0) -> None:
+        super().__init__(max_tokens)
+        if factor < 0:
+            raise ValueError(f"factor must be >= 0, got {factor}")
+        self.factor = factor
+        self.offset = offset
+        self.name = "match-length"
+
+    def trim(self, draft: Draft) -> Draft:
+        cap = self.max_tokens
+        if draft.match_len > 0:
+            cap = min(cap, int(draft.match_len * self.factor + self.offset + 1e-6))
+        return draft.truncated(max(cap, 0))
+
+
+class AdaptiveController:
+    """Goodput-maximising budget from online acceptance and verification-cost estimates.
+
+    With per-token acceptance rate a, a draft of k tokens yields on average
+    E(k) = (1 - a^(k+1)) / (1 - a) tokens per verify pass; the pass costs c(k),
+    the measured time to verify k draft tokens (an exponential moving average per
+    k, seeded with `cost_slope` until measured). The budget is argmax E(k) / c(k).
+    """
+
+    def __init__(
+        self,
+        max_tokens: int = 16,
+        smoothing: float = 0.25,
+        initial_accept_rate: float = 0.5,
+        cost_slope: float = 0.03,
+    ) -> None:
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        if not 0 < smoothing <= 1:
+            raise ValueError(f"smoothing must be in (0, 1], got {smoothing}")
+        self.max_tokens = max_tokens
+        self.smoothing = smoothing
+        self.accept_rate = initial_accept_rate
+        self.cost_slope = cost_slope
+        self.name = "adaptive"
+        self._cost: dict[int, float] = {}  # draft tokens -> seconds per verify pass (EMA)
+
+    def _cost_of(self, k: int) -> float:
+        if k in self._cost:
+            return self._cost[k]
+        base = self._cost.get(0)
+        if base is None and self._cost:
+            k0, t0 = min(self._cost.items())
+            base = t0 / (1 + self.cost_slope * k0)
+        return (base or 1.0) * (1 + self.cost_slope * k)
+
+    def budget(self) -> int:
+        a = min(self.accept_rate, 0.999)
+        best_k, best_rate = 0, 1.0 / self._cost_of(0)
+        expected = 1.0
+        for k in range(1, self.max_tokens + 1):
+            expected += a ** k
+            rate = expected / self._cost_of(k)
+            if rate > best_rate:
+                best_k, best_rate = k, rate
+        return best_k
+
+    def trim(self, draft: Draft) -> Draft:
+        return draft.truncated(self.max_tokens)
+
+    def update(self, proposed: int, accepted: int, fed: int | None = None, seconds: float | None = None) -> None:
+        if proposed > 0:
+            # The verifier stops at the first miss: `accepted` hits out of accepted + 1 tries.
+            tries = accepted + (1 if accepted < proposed else 0)
+            rate = accepted / tries
+            self.accept_rate += self.smoothing * (rate - self.accept_rate)
+        if fed is not None and seconds is not None:
+            k = fed - 1
+            old = self._cost.get(k)
+            self._cost[k] = seconds if old is None else old + self.smoothing * (seconds - old)

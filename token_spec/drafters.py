@@ -1,0 +1,264 @@
+"""Drafters: where guessed tokens come from. All speak one small protocol.
+
+- `SuffixDrafter`: SuffixDecoding over a shared `SuffixCache` (the prompt, the
+  output so far, and earlier outputs of every request and agent).
+- `PromptLookupDrafter`: n-gram lookup in the context, as transformers' prompt
+  lookup decoding.
+- `DraftModelDrafter`: a small model with the same tokenizer, run autoregressively
+  on its own KV cache.
+- `HybridDrafter`: per round, the suffix draft when its score is high enough,
+  else the draft model.
+"""
+
+from __future__ import annotations
+
+from typing import Hashable, Protocol, Sequence, runtime_checkable
+
+import torch
+
+from thinkahead.token_spec.draft import Draft
+from thinkahead.token_spec.suffix_cache import SuffixCache
+from thinkahead.token_spec.verify import SamplingParams, target_probs
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """Proposes drafts for a request and learns from what the target kept.
+
+    `model_free` drafters cost next to nothing to call, so the decoder may ask
+    them for a draft it will not verify, just to see whether it would have hit.
+    """
+
+    name: str
+    model_free: bool
+
+    def start(self, rid: Hashable, prompt_ids: Sequence[int], params: SamplingParams) -> None: ...
+
+    def propose(self, rid: Hashable, context: Sequence[int], budget: int) -> Draft: ...
+
+    def observe(self, rid: Hashable, accepted: Sequence[int], proposed: Draft) -> None:
+        """`accepted`: the tokens committed this round (kept drafts + the bonus)."""
+        ...
+
+    def finish(self, rid: Hashable) -> None: ...
+
+
+class SuffixDrafter:
+    """SuffixDecoding: drafts from the per-request and global suffix trees."""
+
+    model_free = True
+
+    def __init__(
+        self,
+        cache: SuffixCache | None = None,
+        max_spec_factor: float = 1.0,
+        max_spec_offset: float = 0.0,
+        min_token_prob: float = 0.1,
+        tree: bool = False,
+    ) -> None:
+        self.cache = cache if cache is not None else SuffixCache()
+        self.max_spec_factor = max_spec_factor
+        self.max_spec_offset = max_spec_offset
+        self.min_token_prob = min_token_prob
+        self.tree = tree
+        self.name = "suffix-tree" if tree else "suffix"
+
+    def start(self, rid: Hashable, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        self.cache.start_request(rid, prompt_ids)
+
+    def propose(self, rid: Hashable, context: Sequence[int], budget: int) -> Draft:
+        return self.cache.speculate(
+            rid,
+            context,
+            max_tokens=budget,
+            max_spec_factor=self.max_spec_factor,
+            max_spec_offset=self.max_spec_offset,
+            min_token_prob=self.min_token_prob,
+            tree=self.tree,
+        )
+
+    def observe(self, rid: Hashable, accepted: Sequence[int], proposed: Draft) -> None:
+        self.cache.extend(rid, accepted)
+
+    def finish(self, rid: Hashable) -> None:
+        self.cache.stop_request(rid)
+
+
+class PromptLookupDrafter:
+    """Copies what followed the last n-gram's earlier occurrence in the context.
+
+    As transformers' prompt lookup decoding: try n-gram sizes from `max_ngram`
+    down to `min_ngram`; `prefer="first"` takes the earliest occurrence (as
+    transformers does), `"recent"` the latest one. Occurrences are indexed
+    incrementally per request, so a lookup costs a dict access.
+    """
+
+    model_free = True
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, prefer: str = "first") -> None:
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        if prefer not in ("first", "recent"):
+            raise ValueError(f"prefer must be 'first' or 'recent', got {prefer!r}")
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+        self.prefer = prefer
+        self.name = "prompt-lookup"
+        self._tokens: dict[Hashable, list[int]] = {}
+        # rid -> n-gram -> end positions (exclusive) of its occurrences, in order
+        self._index: dict[Hashable, dict[tuple[int, ...], list[int]]] = {}
+
+    def start(self, rid: Hashable, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        self._tokens[rid] = []
+        self._index[rid] = {}
+        self._append(rid, prompt_ids)
+
+    def _append(self, rid: Hashable, token_ids: Sequence[int]) -> None:
+        tokens, index = self._tokens[rid], self._index[rid]
+        for t in token_ids:
+            tokens.append(int(t))
+            end = len(tokens)
+            for n in range(self.min_ngram, min(self.max_ngram, end) + 1):
+                index.setdefault(tuple(tokens[end - n:end]), []).append(end)
+
+    def propose(self, rid: Hashable, context: Sequence[int], budget: int) -> Draft:
+        tokens = self._tokens.get(rid)
+        if tokens is None:
+            raise ValueError(f"request {rid!r} was not started")
+        if len(context) != len(tokens) or list(context[-self.max_ngram:]) != tokens[-self.max_ngram:]:
+            tokens = list(context)  # a foreign context: index it on the fly
+            index: dict[tuple[int, ...], list[int]] = {}
+            for end in range(1, len(tokens) + 1):
+                for n in range(self.min_ngram, min(self.max_ngram, end) + 1):
+                    index.setdefault(tuple(tokens[end - n:end]), []).append(end)
+        else:
+            index = self._index[rid]
+        if budget <= 0:
+            return Draft(source=self.name)
+        last = len(tokens)
+        for n in range(min(self.max_ngram, last - 1), self.min_ngram - 1, -1):
+            ends = index.get(tuple(tokens[last - n:]))
+            if not ends:
+                continue
+            candidates = ends if self.prefer == "first" else reversed(ends)
+            for end in candidates:
+                if end < last:  # not the occurrence that is the context's own tail
+                    return Draft.chain(tokens[end:end + budget], match_len=n, source=self.name)
+        return Draft(source=self.name)
+
+    def observe(self, rid: Hashable, accepted: Sequence[int], proposed: Draft) -> None:
+        self._append(rid, accepted)
+
+    def finish(self, rid: Hashable) -> None:
+        self._tokens.pop(rid, None)
+        self._index.pop(rid, None)
+
+
+class DraftModelDrafter:
+    """A small model with the target's tokenizer drafts a chain autoregressively.
+
+    Greedy requests get the draft model's argmax tokens (deterministic, verified
+    as point masses). Sampling requests get tokens sampled from the draft model's
+    own distribution q, which travels with the draft so the verifier can accept
+    with min(1, p/q).
+    """
+
+    model_free = False
+
+    def __init__(self, engine, seed: int = 0) -> None:  # engine: an Engine (e.g. HFEngine)
+        self.engine = engine
+        self.name = "draft-model"
+        self._sessions: dict[Hashable, object] = {}
+        self._fed: dict[Hashable, list[int]] = {}  # tokens whose K/V are in the draft session
+        self._params: dict[Hashable, SamplingParams] = {}
+        self._generator = torch.Generator().manual_seed(seed)
+
+    def start(self, rid: Hashable, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        self._sessions[rid] = self.engine.new_session()
+        self._fed[rid] = []
+        self._params[rid] = params
+
+    def propose(self, rid: Hashable, context: Sequence[int], budget: int) -> Draft:
+        session = self._sessions.get(rid)
+        if session is None:
+            raise ValueError(f"request {rid!r} was not started")
+        if budget <= 0 or not context:
+            return Draft(source=self.name)
+        fed = self._fed[rid]
+        keep = _common_prefix(fed, context, limit=len(context) - 1)
+        self.engine.truncate(session, keep)
+        del fed[keep:]
+        logits = self.engine.forward(session, list(context[keep:]))[-1:]
+        fed.extend(context[keep:])
+        params = self._params[rid]
+        tokens: list[int] = []
+        q_rows: list[torch.Tensor] = []
+        probs: list[float] = []
+        for step in range(budget):
+            if step:
+                logits = self.engine.forward(session, [tokens[-1]])
+                fed.append(tokens[-1])
+            if params.greedy:
+                dist = torch.softmax(logits[-1].float(), dim=-1)
+                token = int(dist.argmax())
+            else:
+                dist = target_probs(logits[-1:], params)[0]
+                token = int(torch.multinomial(dist, 1, generator=self._generator))
+                q_rows.append(dist)
+            tokens.append(token)
+            probs.append(float(dist[token]))
+        q = torch.stack(q_rows) if q_rows else None
+        return Draft.chain(tokens, probs, source=self.name, q=q)
+
+    def observe(self, rid: Hashable, accepted: Sequence[int], proposed: Draft) -> None:
+        pass  # the next propose re-syncs the KV cache to the committed context
+
+    def finish(self, rid: Hashable) -> None:
+        self._sessions.pop(rid, None)
+        self._fed.pop(rid, None)
+        self._params.pop(rid, None)
+
+
+class HybridDrafter:
+    """Per round: the suffix draft if its score reaches `min_score`, else the draft model.
+
+    A suffix draft's score is its expected number of accepted tokens, so a high
+    score means a confident, free guess; otherwise the draft model's (costly but
+    broadly right) guess is worth its time.
+    """
+
+    def __init__(self, suffix: SuffixDrafter, model: DraftModelDrafter, min_score: float = 2.0) -> None:
+        self.suffix = suffix
+        self.model = model
+        self.min_score = min_score
+        self.name = "hybrid"
+        self.model_free = False
+        self.rounds_by_source = {"suffix": 0, "draft-model": 0}
+
+    def start(self, rid: Hashable, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        self.suffix.start(rid, prompt_ids, params)
+        self.model.start(rid, prompt_ids, params)
+
+    def propose(self, rid: Hashable, context: Sequence[int], budget: int) -> Draft:
+        draft = self.suffix.propose(rid, context, budget)
+        if draft.score >= min(self.min_score, budget) and len(draft):
+            self.rounds_by_source["suffix"] += 1
+            return draft
+        self.rounds_by_source["draft-model"] += 1
+        return self.model.propose(rid, context, budget)
+
+    def observe(self, rid: Hashable, accepted: Sequence[int], proposed: Draft) -> None:
+        self.suffix.observe(rid, accepted, proposed)
+        self.model.observe(rid, accepted, proposed)
+
+    def finish(self, rid: Hashable) -> None:
+        self.suffix.finish(rid)
+        self.model.finish(rid)
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+    n = min(len(a), len(b), limit)
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

@@ -1,0 +1,137 @@
+"""Lossless verification of a draft (chain or tree) against the target model's logits.
+
+The decoder feeds `[pending] + draft` in one forward, so logits row 0 is the
+target's distribution after the committed context and row i + 1 the distribution
+after draft node i. Verification walks down the draft tree from the root:
+
+- greedy: follow the child whose token is the target's argmax; the first miss
+  yields the argmax itself as the bonus token. Output equals plain greedy decoding.
+- sampling: recursive rejection sampling. At each node the children are tried in
+  order; a child x is kept with probability min(1, p(x) / q(x)) and on rejection
+  the target distribution becomes the normalised residual max(0, p - q). Model-free
+  drafts are point masses (q = 1 at x), so x is kept with probability p(x) and the
+  residual is p with x removed. If every child is rejected, the bonus token is
+  sampled from the residual. The emitted tokens follow the target distribution
+  exactly (Leviathan et al., Chen et al.; SpecInfer for the multi-candidate case).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from thinkahead.token_spec.draft import Draft
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How the target distribution is formed from logits; temperature 0 means greedy."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(slots=True)
+class Verdict:
+    """Accepted draft node indices (a root-to-node path) and the token that follows them."""
+
+    accepted: list[int]
+    bonus: int
+
+
+def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Rows of logits -> the target's sampling distributions (temperature, top-k, top-p)."""
+    logits = logits.float() / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+        before = torch.cumsum(sorted_p, dim=-1) - sorted_p  # mass strictly above each token
+        sorted_p = sorted_p.masked_fill(before >= params.top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def children_of(parents: list[int]) -> dict[int, list[int]]:
+    """Tree node index -> its children, in draft order; key -1 is the root."""
+    children: dict[int, list[int]] = {-1: []}
+    for i, p in enumerate(parents):
+        children.setdefault(p, []).append(i)
+    return children
+
+
+def verify_greedy(logits: torch.Tensor, draft: Draft) -> Verdict:
+    """Accept the longest path whose tokens are the target's argmax, plus the next argmax."""
+    argmax = logits.argmax(dim=-1).tolist()
+    children = children_of(draft.parents)
+    accepted: list[int] = []
+    node = -1
+    while True:
+        want = argmax[node + 1]
+        nxt = next((c for c in children.get(node, ()) if draft.token_ids[c] == want), None)
+        if nxt is None:
+            return Verdict(accepted, want)
+        accepted.append(nxt)
+        node = nxt
+
+
+def verify_sampling(
+    logits: torch.Tensor,
+    draft: Draft,
+    params: SamplingParams,
+    generator: torch.Generator | None = None,
+) -> Verdict:
+    """Recursive rejection sampling over the draft tree (lossless for any proposal)."""
+    probs = target_probs(logits, params)
+    q = draft.q
+    children = children_of(draft.parents)
+    accepted: list[int] = []
+    node = -1
+    while True:
+        p = probs[node + 1].clone()
+        moved = False
+        for c in children.get(node, ()):
+            x = draft.token_ids[c]
+            if q is None:
+                qx = 1.0
+                accept_p = float(p[x])
+            else:
+                qx = float(q[c][x])
+                accept_p = min(1.0, float(p[x]) / qx) if qx > 0 else 0.0
+            if _uniform(generator) < accept_p:
+                accepted.append(c)
+                node = c
+                moved = True
+                break
+            if q is None:
+                p[x] = 0.0
+            else:
+                p = torch.clamp(p - q[c].to(p.dtype), min=0.0)
+            total = float(p.sum())
+            if total <= 0.0:  # numerically exhausted: fall back to the untouched target row
+                p = probs[node + 1].clone()
+                break
+            p /= total
+        if not moved:
+            return Verdict(accepted, int(torch.multinomial(p, 1, generator=generator)))
+
+
+def _uniform(generator: torch.Generator | None) -> float:
+    return float(torch.rand((), generator=generator))
