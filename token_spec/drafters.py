@@ -227,10 +227,17 @@ class HybridDrafter:
     broadly right) guess is worth its time.
     """
 
-    def __init__(self, suffix: SuffixDrafter, model: DraftModelDrafter, min_score: float = 2.0) -> None:
+    def __init__(
+        self,
+        suffix: SuffixDrafter,
+        model: DraftModelDrafter,
+        min_score: float = 2.0,
+        model_max_tokens: int | None = None,
+    ) -> None:
         self.suffix = suffix
         self.model = model
         self.min_score = min_score
+        self.model_max_tokens = model_max_tokens  # model drafts cost per token: cap them separately
         self.name = "hybrid"
         self.model_free = False
         self.rounds_by_source = {"suffix": 0, "draft-model": 0}
@@ -245,6 +252,8 @@ class HybridDrafter:
             self.rounds_by_source["suffix"] += 1
             return draft
         self.rounds_by_source["draft-model"] += 1
+        if self.model_max_tokens is not None:
+            budget = min(budget, self.model_max_tokens)
         return self.model.propose(rid, context, budget)
 
     def observe(self, rid: Hashable, accepted: Sequence[int], proposed: Draft) -> None:

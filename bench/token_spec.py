@@ -1,0 +1,315 @@
+"""Token-level speculation on real models: ours against transformers, in one run.
+
+Methods (all greedy, same prompts, same stop tokens, same max_new_tokens):
+  hf-greedy            transformers `model.generate` (the baseline)
+  hf-prompt-lookup     `generate(prompt_lookup_num_tokens=10)`
+  hf-assisted          `generate(assistant_model=small)`
+  suffix               ours: SuffixDecoding (per-request + global suffix trees)
+  prompt-lookup        ours: n-gram lookup in the context
+  draft-model          ours: the small model drafts 4 tokens a round
+  hybrid               ours: suffix when its draft scores >= 2, else the small model
+
+Workloads (GSM8K and HumanEval read from their PyPI packages):
+  cot        plain chain of thought on GSM8K problems
+  refine     agentic self-refine: solve, then "check and rewrite your solution" x3
+  pipeline   one sub-task prompt (an extraction agent) run over many problems
+  code       rewrite a HumanEval solution with a small change
+
+Writes bench/results/token_spec.{json,md,png}. Run:
+  python bench/token_spec.py                       # Qwen2.5-Coder 1.5B target, 0.5B draft
+  python bench/token_spec.py --quick               # a small smoke run
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+import argparse
+import json
+import platform
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from offline_data import gsm8k, humaneval  # noqa: E402
+
+from thinkahead.model_registry import load_causal_lm  # noqa: E402
+from thinkahead.token_spec.backends.hf import HFEngine  # noqa: E402
+from thinkahead.token_spec.controller import AdaptiveController, FixedController, MatchLengthController  # noqa: E402
+from thinkahead.token_spec.decoder import SpeculativeDecoder  # noqa: E402
+from thinkahead.token_spec.drafters import (  # noqa: E402
+    DraftModelDrafter,
+    HybridDrafter,
+    PromptLookupDrafter,
+    SuffixDrafter,
+)
+from thinkahead.token_spec.suffix_cache import SuffixCache  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+ALL_METHODS = ["hf-greedy", "hf-prompt-lookup", "hf-assisted", "suffix", "prompt-lookup", "draft-model", "hybrid"]
+ALL_WORKLOADS = ["cot", "refine", "pipeline", "code"]
+
+COT_INSTRUCTION = "Solve the problem step by step, then give the final answer as 'Answer: <number>'."
+REFINE_INSTRUCTION = (
+    "Check your solution above carefully, step by step. Then rewrite the complete solution, "
+    "fixing any mistake, and end with 'Answer: <number>'."
+)
+PIPELINE_INSTRUCTION = (
+    "You are the extraction agent of a math pipeline. List every quantity in the problem below, "
+    "one per line as '- <what>: <value>', then write 'Question: ' and restate what is asked.\n\nProblem: "
+)
+CODE_INSTRUCTION = (
+    "Rewrite this Python function: rename it to `solution` and add a one-line docstring. "
+    "Keep the body otherwise unchanged. Reply with the code only.\n\n```python\n"
+)
+
+
+# --------------------------------------------------------------------------- workloads
+class Conversation:
+    """Prompts for one workload item; `reply` feeds the model's answer back (agent loops)."""
+
+    def __init__(self, turns: list[str], max_new_tokens: int) -> None:
+        self.turns = turns
+        self.max_new_tokens = max_new_tokens
+
+
+def build_workloads(names: list[str], sizes: dict[str, int], max_new: dict[str, int]) -> dict[str, list[Conversation]]:
+    problems = gsm8k("test")
+    out: dict[str, list[Conversation]] = {}
+    if "cot" in names:
+        out["cot"] = [
+            Conversation([f"{p['question']}\n\n{COT_INSTRUCTION}"], max_new["cot"]) for p in problems[: sizes["cot"]]
+        ]
+    if "refine" in names:
+        base = problems[100:]
+        out["refine"] = [
+            Conversation([f"{p['question']}\n\n{COT_INSTRUCTION}"] + [REFINE_INSTRUCTION] * 3, max_new["refine"])
+            for p in base[: sizes["refine"]]
+        ]
+    if "pipeline" in names:
+        base = problems[200:]
+        out["pipeline"] = [
+            Conversation([PIPELINE_INSTRUCTION + p["question"]], max_new["pipeline"]) for p in base[: sizes["pipeline"]]
+        ]
+    if "code" in names:
+        tasks = humaneval()
+        out["code"] = [
+            Conversation([CODE_INSTRUCTION + t["prompt"] + t["canonical_solution"] + "```"], max_new["code"])
+            for t in tasks[: sizes["code"]]
+        ]
+    return out
+
+
+# --------------------------------------------------------------------------- methods
+class Runner:
+    """Generates one reply for a list of token ids; returns (new ids, stats dict)."""
+
+    def __init__(self, name: str, target, tokenizer, draft=None, stop_ids: list[int] | None = None) -> None:
+        self.name = name
+        self.target = target
+        self.tokenizer = tokenizer
+        self.stop_ids = stop_ids or []
+        self.decoder: SpeculativeDecoder | None = None
+        self.draft = draft
+        engine = HFEngine(target)
+        if name == "suffix":
+            self.decoder = SpeculativeDecoder(engine, SuffixDrafter(SuffixCache()), MatchLengthController(16))
+        elif name == "prompt-lookup":
+            self.decoder = SpeculativeDecoder(engine, PromptLookupDrafter(), AdaptiveController(10))
+        elif name == "draft-model":
+            self.decoder = SpeculativeDecoder(engine, DraftModelDrafter(HFEngine(draft)), FixedController(4))
+        elif name == "hybrid":
+            hybrid = HybridDrafter(
+                SuffixDrafter(SuffixCache()), DraftModelDrafter(HFEngine(draft)), min_score=2.0, model_max_tokens=4
+            )
+            self.decoder = SpeculativeDecoder(engine, hybrid, MatchLengthController(16))
+        elif name == "ours-plain":
+            self.decoder = SpeculativeDecoder(engine, None)
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], dict]:
+        if self.decoder is not None:
+            r = self.decoder.generate(prompt_ids, max_new_tokens, stop_token_ids=self.stop_ids)
+            return r.token_ids, r.stats.to_dict()
+        kwargs: dict = dict(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=self.stop_ids)
+        kwargs["pad_token_id"] = self.tokenizer.pad_token_id or self.stop_ids[0]
+        if self.name == "hf-prompt-lookup":
+            kwargs["prompt_lookup_num_tokens"] = 10
+        elif self.name == "hf-assisted":
+            kwargs["assistant_model"] = self.draft
+        ids = torch.tensor([prompt_ids])
+        with torch.inference_mode():
+            out = self.target.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+        new = out[0, len(prompt_ids):].tolist()
+        return new, {}
+
+
+def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def run_method(runner: Runner, workloads: dict[str, list[Conversation]], log) -> dict:
+    """Run every workload; one record per generation."""
+    records = []
+    for wname, convs in workloads.items():
+        for ci, conv in enumerate(convs):
+            messages: list[dict] = []
+            for ti, turn in enumerate(conv.turns):
+                messages.append({"role": "user", "content": turn})
+                prompt = chat_ids(runner.tokenizer, messages)
+                t0 = time.perf_counter()
+                new, stats = runner.generate(prompt, conv.max_new_tokens)
+                wall = time.perf_counter() - t0
+                text_ids = [t for t in new if t not in runner.stop_ids]
+                messages.append({"role": "assistant", "content": runner.tokenizer.decode(text_ids, skip_special_tokens=True)})
+                rec = {
+                    "method": runner.name, "workload": wname, "item": ci, "turn": ti,
+                    "prompt_tokens": len(prompt), "new_tokens": len(new), "wall_s": wall,
+                    "token_ids": new, **{k: v for k, v in stats.items() if k.startswith("spec_") or k.endswith("_time_s")},
+                }
+                records.append(rec)
+                log(f"{runner.name:17s} {wname:8s} item {ci} turn {ti}: {len(new):4d} tok {wall:6.1f}s "
+                    f"{len(new) / wall:5.2f} tok/s accept_len {stats.get('spec_accept_length', 0):.2f}")
+    return records
+
+
+# --------------------------------------------------------------------------- report
+def summarize(records: list[dict], methods: list[str], workloads: list[str]) -> list[dict]:
+    base = {}
+    rows = []
+    by_key: dict[tuple, dict] = {}
+    for r in records:
+        by_key[(r["method"], r["workload"], r["item"], r["turn"])] = r
+    for w in workloads:
+        for m in methods:
+            rs = [r for r in records if r["method"] == m and r["workload"] == w]
+            if not rs:
+                continue
+            tokens = sum(r["new_tokens"] for r in rs)
+            wall = sum(r["wall_s"] for r in rs)
+            tps = tokens / wall if wall else 0.0
+            if m == "hf-greedy":
+                base[w] = tps
+            verify = sum(r.get("spec_verify_ct", 0) for r in rs)
+            draft_s = sum(r.get("draft_time_s", 0.0) for r in rs)
+            same = [
+                r["token_ids"] == by_key[("hf-greedy", w, r["item"], r["turn"])]["token_ids"]
+                for r in rs
+                if ("hf-greedy", w, r["item"], r["turn"]) in by_key and r["turn"] == 0
+            ]
+            rows.append({
+                "workload": w, "method": m, "tokens": tokens, "wall_s": round(wall, 2), "tokens_per_s": round(tps, 3),
+                "speedup": round(tps / base[w], 3) if base.get(w) else None,
+                "accept_length": round(tokens / verify, 3) if verify else None,
+                "draft_ms_per_token": round(1000 * draft_s / tokens, 3) if verify and tokens else None,
+                "same_as_hf_greedy": f"{sum(same)}/{len(same)}" if same else "",
+            })
+    return rows
+
+
+def markdown(rows: list[dict], meta: dict) -> str:
+    lines = [
+        f"Target `{meta['target']}`, draft `{meta['draft']}`, {meta['dtype']}, greedy, "
+        f"{meta['threads']} threads, {meta['machine']}; `{meta['command']}`.",
+        "",
+        "| workload | method | tokens | tok/s | vs hf-greedy | accept len | draft ms/tok | first-turn output = hf-greedy |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        sp = f"{r['speedup']:.2f}x" if r["speedup"] else ""
+        al = f"{r['accept_length']:.2f}" if r["accept_length"] else ""
+        dm = f"{r['draft_ms_per_token']:.2f}" if r["draft_ms_per_token"] is not None else ""
+        lines.append(
+            f"| {r['workload']} | {r['method']} | {r['tokens']} | {r['tokens_per_s']:.2f} | {sp} | {al} | {dm} | {r['same_as_hf_greedy']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], records: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.5))
+    width = 0.8 / len(methods)
+    for i, m in enumerate(methods):
+        ys = [next((r["speedup"] or 0 for r in rows if r["method"] == m and r["workload"] == w), 0) for w in workloads]
+        ax1.bar([k + i * width for k in range(len(workloads))], ys, width, label=m)
+    ax1.axhline(1.0, color="black", lw=0.8)
+    ax1.set_xticks([k + 0.4 - width / 2 for k in range(len(workloads))], workloads)
+    ax1.set_ylabel("tokens/s relative to hf-greedy")
+    ax1.set_title("Speed by workload")
+    ax1.legend(fontsize=7)
+    for m in ("suffix", "hybrid", "prompt-lookup"):
+        seq = [r for r in records if r["method"] == m and r.get("spec_verify_ct")]
+        if seq:
+            ax2.plot(range(len(seq)), [r["new_tokens"] / r["spec_verify_ct"] for r in seq], marker=".", label=m)
+    ax2.set_xlabel("generation index in the run (the global suffix cache warms)")
+    ax2.set_ylabel("tokens per verify step")
+    ax2.set_title("Acceptance as the cache warms")
+    ax2.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+# --------------------------------------------------------------------------- main
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="qwen2.5-coder-1.5b")
+    ap.add_argument("--draft", default="qwen2.5-coder-0.5b")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--methods", default=",".join(ALL_METHODS))
+    ap.add_argument("--workloads", default=",".join(ALL_WORKLOADS))
+    ap.add_argument("--quick", action="store_true", help="1 item per workload, short outputs")
+    ap.add_argument("--out", default=str(RESULTS / "token_spec"))
+    args = ap.parse_args()
+
+    methods = args.methods.split(",")
+    names = args.workloads.split(",")
+    sizes = {"cot": 2, "refine": 1, "pipeline": 6, "code": 2}
+    max_new = {"cot": 200, "refine": 200, "pipeline": 96, "code": 160}
+    if args.quick:
+        sizes = {k: 1 for k in sizes}
+        max_new = {k: 32 for k in max_new}
+    workloads = build_workloads(names, sizes, max_new)
+
+    t0 = time.perf_counter()
+    target, tokenizer = load_causal_lm(args.target, args.dtype)
+    draft = None
+    if any(m in ("hf-assisted", "draft-model", "hybrid") for m in methods):
+        draft, _ = load_causal_lm(args.draft, args.dtype)
+    load_s = time.perf_counter() - t0
+    stop_ids = [t for t in {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")} if isinstance(t, int)]
+
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "target": args.target, "draft": args.draft, "dtype": args.dtype, "threads": torch.get_num_threads(),
+        "machine": f"{platform.machine()} CPU, {torch.get_num_threads()} threads, torch {torch.__version__}",
+        "command": "python bench/token_spec.py " + " ".join(sys.argv[1:]), "load_s": round(load_s, 1),
+        "sizes": sizes, "max_new_tokens": max_new,
+    }
+    records: list[dict] = []
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+
+    for m in methods:
+        runner = Runner(m, target, tokenizer, draft, stop_ids)
+        records += run_method(runner, workloads, log)
+        rows = summarize(records, methods, names)
+        out.with_suffix(".json").write_text(json.dumps({"meta": meta, "summary": rows, "records": records}, indent=1))
+    rows = summarize(records, methods, names)
+    out.with_suffix(".md").write_text(markdown(rows, meta))
+    plot(rows, records, out.with_suffix(".png"))
+    print(markdown(rows, meta))
+
+
+if __name__ == "__main__":
+    main()
