@@ -111,6 +111,10 @@ def models_path(name: str, cache_dir: Path | None) -> None:
 
 main.add_command(models)
 
+from thinkahead.generate import generate  # noqa: E402  (a command module; heavy imports stay inside it)
+
+main.add_command(generate)
+
 
 if __name__ == "__main__":  # pragma: no cover
     main()

@@ -1,0 +1,164 @@
+"""Rejection sampling keeps the target distribution exactly (chi-square tests)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from scipy.stats import chisquare
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from thinkahead.token_spec.backends.hf import HFEngine
+from thinkahead.token_spec.controller import FixedController
+from thinkahead.token_spec.decoder import SpeculativeDecoder
+from thinkahead.token_spec.draft import Draft
+from thinkahead.token_spec.drafters import DraftModelDrafter
+from thinkahead.token_spec.verify import SamplingParams, target_probs, verify_sampling
+
+V = 6  # vocabulary of the synthetic target
+P_MIN = 1e-3  # significance level: a correct sampler fails about once in a thousand runs
+
+
+def chi2_pvalue(counts: dict, expected_probs: dict, n: int) -> float:
+    """Chi-square p-value, pooling cells with small expected counts."""
+    obs, exp = [], []
+    pool_o = pool_e = 0.0
+    for key, p in expected_probs.items():
+        if p * n < 5:
+            pool_o += counts.get(key, 0)
+            pool_e += p * n
+        else:
+            obs.append(counts.get(key, 0))
+            exp.append(p * n)
+    if pool_e > 0:
+        obs.append(pool_o)
+        exp.append(pool_e)
+    assert sum(counts.values()) == n
+    assert set(counts) <= set(expected_probs), "sampled a token the target gives probability 0"
+    scale = sum(obs) / sum(exp)  # float rounding: the two totals must agree exactly
+    return float(chisquare(obs, [e * scale for e in exp]).pvalue)
+
+
+def synthetic_target(seed: int):
+    """Row 0: first-token logits; second-token logits depend on the first token."""
+    g = torch.Generator().manual_seed(seed)
+    first = torch.randn(V, generator=g) * 1.5
+    second = torch.randn(V, V, generator=g) * 1.5  # second[x1] = logits after x1
+    return first, second
+
+
+def emitted_pair(first, second, draft: Draft, params, gen) -> tuple[int, int]:
+    """First two tokens a decoder would emit: this round's verdict, then plain sampling if needed."""
+    rows = [first] + [second[draft.token_ids[i]] if _depth(draft, i) == 0 else second[0] for i in range(len(draft))]
+    # rows for depth>=1 nodes are never used to pick the first two tokens except below
+    logits = torch.stack(rows)
+    # depth-1 nodes need the logits after (x1, x2); only the second token matters here, so give them
+    # the row of their parent token (the distribution of token 2 given token 1)
+    verdict = verify_sampling(logits, draft, params, gen)
+    out = [draft.token_ids[i] for i in verdict.accepted] + [verdict.bonus]
+    if len(out) == 1:
+        p2 = target_probs(second, params)[out[0]]
+        out.append(int(torch.multinomial(p2, 1, generator=gen)))
+    return out[0], out[1]
+
+
+def _depth(draft: Draft, i: int) -> int:
+    d = 0
+    while draft.parents[i] >= 0:
+        i = draft.parents[i]
+        d += 1
+    return d
+
+
+def exact_pair_probs(first, second, params) -> dict:
+    p1 = target_probs(first[None], params)[0]
+    out = {}
+    for a in range(V):
+        p2 = target_probs(second[a][None], params)[0]
+        for b in range(V):
+            if p1[a] * p2[b] > 0:
+                out[(a, b)] = float(p1[a] * p2[b])
+    return out
+
+
+DRAFTS = {
+    # a point-mass chain two deep: tokens 1 then 2
+    "chain": lambda first, second: Draft.chain([1, 2]),
+    # a point-mass tree: three first-token candidates, one with children
+    "tree": lambda first, second: Draft(token_ids=[1, 3, 0, 4, 5], parents=[-1, -1, -1, 0, 0], probs=[1.0] * 5),
+}
+
+
+@pytest.mark.parametrize("kind", ["chain", "tree", "q-chain"])
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_p=0.9)])
+def test_verify_sampling_matches_target_distribution(kind, params) -> None:
+    first, second = synthetic_target(seed=hash(kind) % 1000)
+    gen = torch.Generator().manual_seed(1234)
+    n = 4000
+    counts: dict = {}
+    qgen = torch.Generator().manual_seed(99)
+    q_first = torch.softmax(torch.randn(V, generator=qgen), dim=-1)
+    q_second = torch.softmax(torch.randn(V, V, generator=qgen), dim=-1)
+    for _ in range(n):
+        if kind == "q-chain":
+            # a draft model that samples its tokens from its own q, as DraftModelDrafter does
+            x1 = int(torch.multinomial(q_first, 1, generator=gen))
+            x2 = int(torch.multinomial(q_second[x1], 1, generator=gen))
+            draft = Draft.chain([x1, x2], q=torch.stack([q_first, q_second[x1]]))
+            logits = torch.stack([first, second[x1], second[0]])
+            verdict = verify_sampling(logits, draft, params, gen)
+            out = [draft.token_ids[i] for i in verdict.accepted] + [verdict.bonus]
+            if len(out) == 1:
+                p2 = target_probs(second[out[0]][None], params)[0]
+                out.append(int(torch.multinomial(p2, 1, generator=gen)))
+            pair = (out[0], out[1])
+        else:
+            pair = emitted_pair(first, second, DRAFTS[kind](first, second), params, gen)
+        counts[pair] = counts.get(pair, 0) + 1
+    assert chi2_pvalue(counts, exact_pair_probs(first, second, params), n) > P_MIN
+
+
+def test_chi_square_detects_a_biased_sampler() -> None:
+    """The statistical test has power: greedy-accepting drafts (a lossy rule) is caught."""
+    first, second = synthetic_target(seed=7)
+    params = SamplingParams(temperature=1.0)
+    gen = torch.Generator().manual_seed(5)
+    counts: dict = {}
+    n = 4000
+    p1 = target_probs(first[None], params)[0]
+    for _ in range(n):
+        # lossy: always keep draft token 1 when it is the argmax-free guess, regardless of p
+        a = 1 if torch.rand((), generator=gen) < 0.5 else int(torch.multinomial(p1, 1, generator=gen))
+        p2 = target_probs(second[a][None], params)[0]
+        b = int(torch.multinomial(p2, 1, generator=gen))
+        counts[(a, b)] = counts.get((a, b), 0) + 1
+    assert chi2_pvalue(counts, exact_pair_probs(first, second, params), n) < P_MIN
+
+
+def test_decoder_sampling_end_to_end_matches_model() -> None:
+    """The whole loop (draft model with q, KV rollback) samples the tiny model's own distribution."""
+    vocab = 8
+    cfg = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+               num_key_value_heads=2, num_hidden_layers=2, initializer_range=0.3, pad_token_id=0)
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(LlamaConfig(**cfg)).eval()
+    torch.manual_seed(1)
+    small = LlamaForCausalLM(LlamaConfig(**cfg)).eval()
+    engine = HFEngine(target)
+    decoder = SpeculativeDecoder(engine, DraftModelDrafter(HFEngine(small), seed=3), FixedController(3))
+    prompt = [1, 5, 2, 7]
+    params = SamplingParams(temperature=1.0)
+    exact = {}
+    base = engine.logits_for_prefix(prompt)[-1]
+    p1 = target_probs(base[None], params)[0]
+    for a, b in itertools.product(range(vocab), repeat=2):
+        p2 = target_probs(engine.logits_for_prefix(prompt + [a])[-1][None], params)[0]
+        exact[(a, b)] = float(p1[a] * p2[b])
+    n = 1000
+    counts: dict = {}
+    for i in range(n):
+        out = decoder.generate(prompt, max_new_tokens=2, sampling=params, stop_token_ids=[], seed=i)
+        key = tuple(out.token_ids)
+        counts[key] = counts.get(key, 0) + 1
+    assert chi2_pvalue(counts, exact, n) > P_MIN
