@@ -272,8 +272,8 @@ def main() -> None:
 
     methods = args.methods.split(",")
     names = args.workloads.split(",")
-    sizes = {"cot": 2, "refine": 1, "pipeline": 6, "code": 2}
-    max_new = {"cot": 200, "refine": 200, "pipeline": 96, "code": 160}
+    sizes = {"cot": 2, "refine": 1, "pipeline": 5, "code": 2}
+    max_new = {"cot": 160, "refine": 160, "pipeline": 80, "code": 128}
     if args.quick:
         sizes = {k: 1 for k in sizes}
         max_new = {k: 32 for k in max_new}
