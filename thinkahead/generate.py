@@ -124,6 +124,8 @@ def generate(prompts, input_path, output, model, drafter, draft_model, max_new_t
     todo = [it for it in items if it.id not in skip]
     if skip:
         click.echo(f"resuming: {len(items) - len(todo)} of {len(items)} already in {output}", err=True)
+    if not todo:
+        return
     decoder, tokenizer, cache = build_decoder(model, drafter, draft_model, dtype, max_draft, cache_file)
     sampling = SamplingParams(temperature=temperature, top_p=top_p)
     totals = {"tokens": 0, "decode_s": 0.0, "verify": 0}

@@ -36,6 +36,7 @@ class SpecStats:
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
     prefill_time_s: float = 0.0
+    first_token_s: float = 0.0  # time to the first committed token (prefill + first round)
     total_time_s: float = 0.0
 
     @property
@@ -45,8 +46,9 @@ class SpecStats:
 
     @property
     def tokens_per_s(self) -> float:
-        decode = self.total_time_s - self.prefill_time_s
-        return self.completion_tokens / decode if decode > 0 else 0.0
+        """Decode speed: tokens after the first one, over the time after the first one."""
+        decode = self.total_time_s - self.first_token_s
+        return (self.completion_tokens - 1) / decode if decode > 0 and self.completion_tokens > 1 else 0.0
 
     def to_dict(self) -> dict[str, float]:
         out = asdict(self)
@@ -156,6 +158,8 @@ class SpeculativeDecoder:
                     # Only as many probe tokens as were produced can be checked.
                     checked = min(len(probe), len(new))
                     self.controller.update(checked, _matched(probe.token_ids, new))
+                if not output:
+                    stats.first_token_s = time.perf_counter() - t_start
                 output.extend(new)
                 context.extend(new)
                 if drafter is not None:

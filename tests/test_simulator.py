@@ -1,0 +1,28 @@
+"""The replay simulator: greedy acceptance against recorded outputs, no model."""
+
+from __future__ import annotations
+
+from thinkahead.token_spec.draft import Draft
+from thinkahead.token_spec.simulator import accepted_prefix, replay
+from thinkahead.token_spec.suffix_cache import SuffixCache
+
+
+def test_accepted_prefix_chain_and_tree() -> None:
+    assert accepted_prefix(Draft.chain([1, 2, 3]), [1, 2, 9]) == 2
+    assert accepted_prefix(Draft.chain([1, 2, 3]), [4]) == 0
+    tree = Draft(token_ids=[1, 5, 2, 6], parents=[-1, -1, 0, 1], probs=[1.0] * 4)
+    assert accepted_prefix(tree, [5, 6, 7]) == 2
+    assert accepted_prefix(tree, [1, 2]) == 2
+
+
+def test_repeated_outputs_are_drafted_from_the_global_tree() -> None:
+    answer = list(range(500, 560))
+    records = [([1, 2, 3], answer), ([4, 5, 6], answer), ([7, 8, 9], answer)]
+    stats = replay(SuffixCache(), records, max_tokens=16)
+    first, second, third = stats.accept_length_per_request
+    assert first == 1.0  # nothing to copy yet: one token per step
+    assert second > 5 and third > 5  # the answer is in the global tree now
+    assert stats.output_tokens == 180
+    assert stats.accepted_tokens <= stats.proposed_tokens
+    s = stats.summary()
+    assert s["speculate_p50_us"] > 0 and s["accept_length"] == round(180 / stats.verify_steps, 4)
