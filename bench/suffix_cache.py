@@ -17,6 +17,7 @@ import json
 import platform
 import sys
 import time
+import tracemalloc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from offline_data import gsm8k  # noqa: E402
@@ -53,6 +54,22 @@ def main() -> None:
     ]
     warm, held_out = records[: args.responses], records[args.responses:]
 
+    # Calibrate the memory estimate on a slice (tracemalloc slows the build several-fold).
+    tracemalloc.start()
+    probe = SuffixCache(max_depth=args.max_depth, max_cached_requests=-1)
+    for i, (prompt, output) in enumerate(warm[:500]):
+        probe._insert(i, output)
+    traced, _ = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    calibration = {
+        "responses": 500,
+        "traced_bytes": traced,
+        "estimated_bytes": probe.estimated_bytes,
+        "nodes": probe.global_tree.num_nodes,
+        "tokens": probe.global_tree.num_tokens,
+    }
+    del probe
+
     cache = SuffixCache(max_depth=args.max_depth, max_cached_requests=-1)
     t0 = time.perf_counter()
     warm_stats = replay(cache, warm)
@@ -67,6 +84,7 @@ def main() -> None:
             "estimated_mb": round(cache.estimated_bytes / 1e6, 1),
             "warm_up_replay_s": round(build_s, 1),
         },
+        "memory_calibration": calibration,
         "warm_up": warm_stats.summary(),
     }
     for tree in (False, True):

@@ -36,7 +36,7 @@ from offline_data import gsm8k, humaneval  # noqa: E402
 
 from thinkahead.model_registry import load_causal_lm  # noqa: E402
 from thinkahead.token_spec.backends.hf import HFEngine  # noqa: E402
-from thinkahead.token_spec.controller import AdaptiveController, FixedController, MatchLengthController  # noqa: E402
+from thinkahead.token_spec.controller import AdaptiveController, FixedController  # noqa: E402
 from thinkahead.token_spec.decoder import SpeculativeDecoder  # noqa: E402
 from thinkahead.token_spec.drafters import (  # noqa: E402
     DraftModelDrafter,
@@ -114,7 +114,7 @@ class Runner:
         self.draft = draft
         engine = HFEngine(target)
         if name == "suffix":
-            self.decoder = SpeculativeDecoder(engine, SuffixDrafter(SuffixCache()), MatchLengthController(16))
+            self.decoder = SpeculativeDecoder(engine, SuffixDrafter(SuffixCache()), AdaptiveController(16))
         elif name == "prompt-lookup":
             self.decoder = SpeculativeDecoder(engine, PromptLookupDrafter(), AdaptiveController(10))
         elif name == "draft-model":
@@ -123,7 +123,7 @@ class Runner:
             hybrid = HybridDrafter(
                 SuffixDrafter(SuffixCache()), DraftModelDrafter(HFEngine(draft)), min_score=2.0, model_max_tokens=4
             )
-            self.decoder = SpeculativeDecoder(engine, hybrid, MatchLengthController(16))
+            self.decoder = SpeculativeDecoder(engine, hybrid, AdaptiveController(16))
         elif name == "ours-plain":
             self.decoder = SpeculativeDecoder(engine, None)
 
@@ -293,6 +293,7 @@ def main() -> None:
     ap.add_argument("--workloads", default=",".join(ALL_WORKLOADS))
     ap.add_argument("--quick", action="store_true", help="1 item per workload, short outputs")
     ap.add_argument("--out", default=str(RESULTS / "token_spec"))
+    ap.add_argument("--reuse", default="", help="METHODS=FILE.json: take these methods' records from an earlier run")
     args = ap.parse_args()
 
     methods = args.methods.split(",")
@@ -318,9 +319,16 @@ def main() -> None:
         "target": args.target, "draft": args.draft, "dtype": args.dtype, "threads": torch.get_num_threads(),
         "machine": f"{platform.machine()} CPU, {torch.get_num_threads()} threads, torch {torch.__version__}",
         "command": "python bench/token_spec.py " + " ".join(sys.argv[1:]), "load_s": round(load_s, 1),
-        "sizes": sizes, "max_new_tokens": max_new,
+        "sizes": sizes, "max_new_tokens": max_new, "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
     }
     records: list[dict] = []
+    if args.reuse:
+        reused, path = args.reuse.split("=", 1)
+        earlier = json.loads(Path(path).read_text())
+        keep = set(reused.split(","))
+        records = [dict(r, reused_from=earlier["meta"].get("started")) for r in earlier["records"] if r["method"] in keep]
+        meta["reused"] = {"methods": sorted(keep), "from_run_started": earlier["meta"].get("started")}
+        methods = [m for m in methods if m not in keep]
 
     def log(msg: str) -> None:
         print(msg, flush=True)
@@ -328,9 +336,10 @@ def main() -> None:
     for m in methods:
         runner = Runner(m, target, tokenizer, draft, stop_ids)
         records += run_method(runner, workloads, log)
-        rows = summarize(records, methods, names)
+        rows = summarize(records, [x for x in ALL_METHODS if any(r["method"] == x for r in records)], names)
         out.with_suffix(".json").write_text(json.dumps({"meta": meta, "summary": rows, "records": records}, indent=1))
-    rows = summarize(records, methods, names)
+    order = [m for m in ALL_METHODS if any(r["method"] == m for r in records)]
+    rows = summarize(records, order, names)
     out.with_suffix(".md").write_text(markdown(rows, meta))
     plot(rows, records, out.with_suffix(".png"))
     print(markdown(rows, meta))

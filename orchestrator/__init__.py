@@ -1,1 +1,1 @@
-"""thinkahead.orchestrator: see ../shared/DESIGN.md; built in later issues."""
+"""Step-graph runtime (graphs, scheduler, budgets, traces, result store); arrives with the orchestrator issue."""

@@ -1,1 +1,1 @@
-"""thinkahead.step_spec: see ../shared/DESIGN.md; built in later issues."""
+"""Step segmentation and step policies (specreason, arbitrage, reflect); arrives with the step-level issue."""

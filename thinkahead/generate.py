@@ -69,7 +69,7 @@ def build_decoder(model_spec: str, drafter: str, draft_spec: str | None, dtype: 
             raise click.UsageError(f"--drafter {drafter} needs --draft-model")
         small = HFEngine(load_causal_lm(draft_spec, dtype)[0])
     if drafter == "suffix":
-        d, ctl = SuffixDrafter(cache), MatchLengthController(max_draft)
+        d, ctl = SuffixDrafter(cache), AdaptiveController(max_draft)
     elif drafter == "suffix-tree":
         d, ctl = SuffixDrafter(cache, tree=True), MatchLengthController(max_draft)
     elif drafter == "prompt-lookup":
@@ -78,7 +78,7 @@ def build_decoder(model_spec: str, drafter: str, draft_spec: str | None, dtype: 
         d, ctl = DraftModelDrafter(small), FixedController(min(max_draft, 4))
     elif drafter == "hybrid":
         d = HybridDrafter(SuffixDrafter(cache), DraftModelDrafter(small), model_max_tokens=4)
-        ctl = MatchLengthController(max_draft)
+        ctl = AdaptiveController(max_draft)
     else:
         d, ctl = None, FixedController(0)
     return SpeculativeDecoder(engine, d, ctl, tokenizer=tokenizer), tokenizer, cache

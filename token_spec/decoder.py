@@ -113,7 +113,7 @@ class SpeculativeDecoder:
 
         session = self.engine.new_session()
         if len(prompt) > 1:
-            self.engine.forward(session, prompt[:-1])
+            self.engine.forward(session, prompt[:-1], last_only=True)
         stats.prefill_time_s = time.perf_counter() - t_start
         drafter = self.drafter
         if drafter is not None:
@@ -210,7 +210,7 @@ def _matched(draft: Sequence[int], actual: Sequence[int]) -> int:
 def plain_greedy(engine, prompt_ids: Sequence[int], max_new_tokens: int, stop_token_ids: Sequence[int] = ()) -> list[int]:
     """Reference: one token per forward, argmax, on the same engine (used by tests)."""
     session = engine.new_session()
-    logits = engine.forward(session, list(prompt_ids))
+    logits = engine.forward(session, list(prompt_ids), last_only=True)
     out: list[int] = []
     stops = set(stop_token_ids)
     while len(out) < max_new_tokens:

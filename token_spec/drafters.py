@@ -188,7 +188,7 @@ class DraftModelDrafter:
         keep = _common_prefix(fed, context, limit=len(context) - 1)
         self.engine.truncate(session, keep)
         del fed[keep:]
-        logits = self.engine.forward(session, list(context[keep:]))[-1:]
+        logits = self.engine.forward(session, list(context[keep:]), last_only=True)
         fed.extend(context[keep:])
         params = self._params[rid]
         tokens: list[int] = []

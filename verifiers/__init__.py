@@ -1,1 +1,1 @@
-"""thinkahead.verifiers: see ../shared/DESIGN.md; built in later issues."""
+"""Judges, process reward models, routers and answer checkers; arrives with the step-level issue."""

@@ -1,1 +1,1 @@
-"""thinkahead.workflows: see ../shared/DESIGN.md; built in later issues."""
+"""Built-in workflows (cot, react, refine, vote, pipeline); arrives with the orchestrator issue."""

@@ -76,7 +76,13 @@ class HFEngine:
         """Start an empty sequence with its own croppable cache."""
         return EngineSession(cache=DynamicCache())
 
-    def forward(self, session: EngineSession, token_ids: list[int], parents: list[int] | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        session: EngineSession,
+        token_ids: list[int],
+        parents: list[int] | None = None,
+        last_only: bool = False,
+    ) -> torch.Tensor:
         """Append `token_ids` to the session and return their float32 logits `[len(token_ids), vocab]`.
 
         With `parents=None` the tokens form a chain after the session's prefix. Otherwise they form a
@@ -84,6 +90,8 @@ class HFEngine:
         (`parents[i] < i`), or -1 when the node hangs directly off the prefix. A tree runs in one pass
         with each node attending to the prefix, its ancestors and itself at position prefix + depth;
         afterwards all tree nodes are in the cache (`session.length = P + T`) until `keep_path`.
+        `last_only=True` returns only the last row `[1, vocab]`: a prefill then skips the vocabulary
+        projection of every other position (for a 150k vocabulary that is most of a long prompt's cost).
         """
         self._check_tokens(token_ids)
         start = session.length
@@ -107,6 +115,7 @@ class HFEngine:
                 position_ids=position_ids,
                 past_key_values=session.cache,
                 use_cache=True,
+                logits_to_keep=1 if last_only else 0,
             )
         session.length = start + n
         session.last_start, session.last_parents = start, chain
