@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
+import itertools
 import time
 
 from thinkahead.token_spec.draft import Draft
@@ -54,6 +55,9 @@ class ReplayStats:
         }
 
 
+_request_ids = itertools.count()
+
+
 def accepted_prefix(draft: Draft, actual: Sequence[int]) -> int:
     """Draft tokens a greedy verifier keeps when the target would produce `actual`."""
     children = children_of(draft.parents)
@@ -80,7 +84,7 @@ def replay(
     stats = stats or ReplayStats()
     clock = time.perf_counter
     for i, (prompt, output) in enumerate(records):
-        rid = ("replay", stats.requests)
+        rid = ("replay", next(_request_ids))  # unique across replays: a reused id would evict
         cache.start_request(rid, prompt)
         context = list(prompt)
         pos = steps = 0
