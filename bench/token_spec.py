@@ -36,15 +36,8 @@ from offline_data import gsm8k, humaneval  # noqa: E402
 
 from thinkahead.model_registry import load_causal_lm  # noqa: E402
 from thinkahead.token_spec.backends.hf import HFEngine  # noqa: E402
-from thinkahead.token_spec.controller import AdaptiveController, FixedController  # noqa: E402
 from thinkahead.token_spec.decoder import SpeculativeDecoder  # noqa: E402
-from thinkahead.token_spec.drafters import (  # noqa: E402
-    DraftModelDrafter,
-    HybridDrafter,
-    PromptLookupDrafter,
-    SuffixDrafter,
-)
-from thinkahead.token_spec.suffix_cache import SuffixCache  # noqa: E402
+from thinkahead.token_spec.presets import build_decoder  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ALL_METHODS = ["hf-greedy", "hf-prompt-lookup", "hf-assisted", "suffix", "prompt-lookup", "draft-model", "hybrid"]
@@ -112,20 +105,14 @@ class Runner:
         self.stop_ids = stop_ids or []
         self.decoder: SpeculativeDecoder | None = None
         self.draft = draft
-        engine = HFEngine(target)
-        if name == "suffix":
-            self.decoder = SpeculativeDecoder(engine, SuffixDrafter(SuffixCache()), AdaptiveController(16))
-        elif name == "prompt-lookup":
-            self.decoder = SpeculativeDecoder(engine, PromptLookupDrafter(), AdaptiveController(10))
-        elif name == "draft-model":
-            self.decoder = SpeculativeDecoder(engine, DraftModelDrafter(HFEngine(draft)), FixedController(4))
-        elif name == "hybrid":
-            hybrid = HybridDrafter(
-                SuffixDrafter(SuffixCache()), DraftModelDrafter(HFEngine(draft)), min_score=2.0, model_max_tokens=4
+        if not name.startswith("hf-"):
+            kind = "none" if name == "ours-plain" else name
+            self.decoder = build_decoder(
+                kind,
+                HFEngine(target),
+                draft_engine=HFEngine(draft) if kind in ("draft-model", "hybrid") else None,
+                max_draft=10 if kind == "prompt-lookup" else 16,  # 10 as transformers' prompt lookup
             )
-            self.decoder = SpeculativeDecoder(engine, hybrid, AdaptiveController(16))
-        elif name == "ours-plain":
-            self.decoder = SpeculativeDecoder(engine, None)
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], dict]:
         if self.decoder is not None:

@@ -54,3 +54,10 @@ def test_generate_reports_bad_input_with_line_numbers(model_dir, tmp_path) -> No
     assert r.exit_code != 0 and "bad.jsonl:2" in r.output
     r = CliRunner().invoke(main, ["generate", "-m", str(model_dir)])
     assert r.exit_code != 0 and "give prompts" in r.output
+
+
+def test_cli_drafter_choices_are_the_presets() -> None:
+    from thinkahead.generate import DRAFTERS
+    from thinkahead.token_spec.presets import DRAFTER_KINDS
+
+    assert DRAFTERS == DRAFTER_KINDS

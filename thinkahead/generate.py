@@ -15,6 +15,7 @@ import json
 
 import click
 
+# The choices of --drafter (token_spec.presets.DRAFTER_KINDS, repeated so that --help stays light).
 DRAFTERS = ("suffix", "suffix-tree", "prompt-lookup", "draft-model", "hybrid", "none")
 
 
@@ -55,33 +56,20 @@ def done_ids(path: Path) -> set[str]:
 def build_decoder(model_spec: str, drafter: str, draft_spec: str | None, dtype: str, max_draft: int, cache_file: Path | None):
     """Load the target (and draft) model and wire the speculative decoder."""
     from thinkahead.model_registry import load_causal_lm
+    from thinkahead.token_spec import presets
     from thinkahead.token_spec.backends.hf import HFEngine
-    from thinkahead.token_spec.controller import AdaptiveController, FixedController, MatchLengthController
-    from thinkahead.token_spec.decoder import SpeculativeDecoder
-    from thinkahead.token_spec.drafters import DraftModelDrafter, HybridDrafter, PromptLookupDrafter, SuffixDrafter
     from thinkahead.token_spec.suffix_cache import SuffixCache
 
+    if drafter in ("draft-model", "hybrid") and not draft_spec:
+        raise click.UsageError(f"--drafter {drafter} needs --draft-model")
     model, tokenizer = load_causal_lm(model_spec, dtype)
-    engine = HFEngine(model)
+    needs_draft = drafter in ("draft-model", "hybrid")
+    draft_engine = HFEngine(load_causal_lm(draft_spec, dtype)[0]) if needs_draft else None
     cache = SuffixCache.load(cache_file) if cache_file is not None and cache_file.exists() else SuffixCache()
-    if drafter in ("draft-model", "hybrid"):
-        if not draft_spec:
-            raise click.UsageError(f"--drafter {drafter} needs --draft-model")
-        small = HFEngine(load_causal_lm(draft_spec, dtype)[0])
-    if drafter == "suffix":
-        d, ctl = SuffixDrafter(cache), AdaptiveController(max_draft)
-    elif drafter == "suffix-tree":
-        d, ctl = SuffixDrafter(cache, tree=True), MatchLengthController(max_draft)
-    elif drafter == "prompt-lookup":
-        d, ctl = PromptLookupDrafter(), AdaptiveController(max_draft)
-    elif drafter == "draft-model":
-        d, ctl = DraftModelDrafter(small), FixedController(min(max_draft, 4))
-    elif drafter == "hybrid":
-        d = HybridDrafter(SuffixDrafter(cache), DraftModelDrafter(small), model_max_tokens=4)
-        ctl = AdaptiveController(max_draft)
-    else:
-        d, ctl = None, FixedController(0)
-    return SpeculativeDecoder(engine, d, ctl, tokenizer=tokenizer), tokenizer, cache
+    decoder = presets.build_decoder(
+        drafter, HFEngine(model), tokenizer=tokenizer, draft_engine=draft_engine, cache=cache, max_draft=max_draft
+    )
+    return decoder, tokenizer, cache
 
 
 def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:

@@ -20,7 +20,7 @@ import torch
 
 from thinkahead.token_spec.controller import AdaptiveController, SpeculationController
 from thinkahead.token_spec.draft import Draft
-from thinkahead.token_spec.drafters import Drafter
+from thinkahead.token_spec.drafters import Drafter, common_prefix_len
 from thinkahead.token_spec.verify import SamplingParams, verify_greedy, verify_sampling
 
 
@@ -157,7 +157,7 @@ class SpeculativeDecoder:
                 if probe is not None and len(probe):
                     # Only as many probe tokens as were produced can be checked.
                     checked = min(len(probe), len(new))
-                    self.controller.update(checked, _matched(probe.token_ids, new))
+                    self.controller.update(checked, common_prefix_len(probe.token_ids, new))
                 if not output:
                     stats.first_token_s = time.perf_counter() - t_start
                 output.extend(new)
@@ -196,15 +196,6 @@ class SpeculativeDecoder:
         if eos is None:
             return []
         return list(eos) if isinstance(eos, (list, tuple)) else [eos]
-
-
-def _matched(draft: Sequence[int], actual: Sequence[int]) -> int:
-    n = 0
-    for d, a in zip(draft, actual):
-        if d != a:
-            break
-        n += 1
-    return n
 
 
 def plain_greedy(engine, prompt_ids: Sequence[int], max_new_tokens: int, stop_token_ids: Sequence[int] = ()) -> list[int]:

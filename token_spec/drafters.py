@@ -114,10 +114,14 @@ class PromptLookupDrafter:
         self._append(rid, prompt_ids)
 
     def _append(self, rid: Hashable, token_ids: Sequence[int]) -> None:
-        tokens, index = self._tokens[rid], self._index[rid]
-        for t in token_ids:
-            tokens.append(int(t))
-            end = len(tokens)
+        tokens = self._tokens[rid]
+        first_new = len(tokens)
+        tokens.extend(int(t) for t in token_ids)
+        self._index_ngrams(tokens, self._index[rid], first_new)
+
+    def _index_ngrams(self, tokens: list[int], index: dict[tuple[int, ...], list[int]], first_new: int) -> None:
+        """Record the n-grams ending at each of tokens[first_new:]."""
+        for end in range(first_new + 1, len(tokens) + 1):
             for n in range(self.min_ngram, min(self.max_ngram, end) + 1):
                 index.setdefault(tuple(tokens[end - n:end]), []).append(end)
 
@@ -128,9 +132,7 @@ class PromptLookupDrafter:
         if len(context) != len(tokens) or list(context[-self.max_ngram:]) != tokens[-self.max_ngram:]:
             tokens = list(context)  # a foreign context: index it on the fly
             index: dict[tuple[int, ...], list[int]] = {}
-            for end in range(1, len(tokens) + 1):
-                for n in range(self.min_ngram, min(self.max_ngram, end) + 1):
-                    index.setdefault(tuple(tokens[end - n:end]), []).append(end)
+            self._index_ngrams(tokens, index, 0)
         else:
             index = self._index[rid]
         if budget <= 0:
@@ -185,7 +187,7 @@ class DraftModelDrafter:
         if budget <= 0 or not context:
             return Draft(source=self.name)
         fed = self._fed[rid]
-        keep = _common_prefix(fed, context, limit=len(context) - 1)
+        keep = common_prefix_len(fed, context, limit=len(context) - 1)
         self.engine.truncate(session, keep)
         del fed[keep:]
         logits = self.engine.forward(session, list(context[keep:]), last_only=True)
@@ -265,8 +267,9 @@ class HybridDrafter:
         self.model.finish(rid)
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
-    n = min(len(a), len(b), limit)
+def common_prefix_len(a: Sequence[int], b: Sequence[int], limit: int | None = None) -> int:
+    """How many leading tokens `a` and `b` share (at most `limit`)."""
+    n = min(len(a), len(b)) if limit is None else min(len(a), len(b), limit)
     i = 0
     while i < n and a[i] == b[i]:
         i += 1

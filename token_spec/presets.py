@@ -1,0 +1,51 @@
+"""Named speculation setups: one place that says what "suffix", "hybrid", ... mean.
+
+The CLI and the benchmarks build their decoders here, so a drafter name means the
+same drafter, controller and budgets everywhere.
+"""
+
+from __future__ import annotations
+
+from thinkahead.token_spec.controller import AdaptiveController, FixedController, MatchLengthController
+from thinkahead.token_spec.decoder import SpeculativeDecoder
+from thinkahead.token_spec.drafters import DraftModelDrafter, HybridDrafter, PromptLookupDrafter, SuffixDrafter
+from thinkahead.token_spec.suffix_cache import SuffixCache
+
+DRAFTER_KINDS = ("suffix", "suffix-tree", "prompt-lookup", "draft-model", "hybrid", "none")
+MODEL_DRAFT_TOKENS = 4  # a draft-model token costs a forward of the small model: keep rounds short
+
+
+def build_decoder(
+    kind: str,
+    engine,
+    *,
+    tokenizer=None,
+    draft_engine=None,
+    cache: SuffixCache | None = None,
+    max_draft: int = 16,
+) -> SpeculativeDecoder:
+    """A `SpeculativeDecoder` for drafter `kind` over `engine` (the target model).
+
+    `draft_engine` is the small model's engine, needed by "draft-model" and "hybrid";
+    `cache` is the shared suffix cache (a fresh one if None).
+    """
+    if kind not in DRAFTER_KINDS:
+        raise ValueError(f"unknown drafter {kind!r}; expected one of {', '.join(DRAFTER_KINDS)}")
+    if kind in ("draft-model", "hybrid") and draft_engine is None:
+        raise ValueError(f"drafter {kind!r} needs a draft model engine")
+    cache = cache if cache is not None else SuffixCache()
+    if kind == "suffix":
+        drafter, controller = SuffixDrafter(cache), AdaptiveController(max_draft)
+    elif kind == "suffix-tree":
+        drafter, controller = SuffixDrafter(cache, tree=True), MatchLengthController(max_draft)
+    elif kind == "prompt-lookup":
+        drafter, controller = PromptLookupDrafter(), AdaptiveController(max_draft)
+    elif kind == "draft-model":
+        drafter = DraftModelDrafter(draft_engine)
+        controller = FixedController(min(max_draft, MODEL_DRAFT_TOKENS))
+    elif kind == "hybrid":
+        drafter = HybridDrafter(SuffixDrafter(cache), DraftModelDrafter(draft_engine), model_max_tokens=MODEL_DRAFT_TOKENS)
+        controller = AdaptiveController(max_draft)
+    else:
+        drafter, controller = None, FixedController(0)
+    return SpeculativeDecoder(engine, drafter, controller, tokenizer=tokenizer)
