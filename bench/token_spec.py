@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from offline_data import gsm8k, humaneval  # noqa: E402
 
-from thinkahead.model_registry import load_causal_lm  # noqa: E402
+from thinkahead.model_registry import DTYPES, load_causal_lm  # noqa: E402
 from thinkahead.token_spec.backends.hf import HFEngine  # noqa: E402
 from thinkahead.token_spec.decoder import SpeculativeDecoder  # noqa: E402
 from thinkahead.token_spec.presets import build_decoder  # noqa: E402
@@ -271,11 +271,22 @@ def plot(rows: list[dict], records: list[dict], path: Path) -> None:
 
 
 # --------------------------------------------------------------------------- main
+def cpu_features() -> str:
+    """The CPU features that decide whether bf16 matmuls are native (they change every ratio here)."""
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return "flags unknown"
+    wanted = ["avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16"]
+    return " ".join(f if f in flags else f"no {f}" for f in wanted)
+
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="qwen2.5-coder-1.5b")
     ap.add_argument("--draft", default="qwen2.5-coder-0.5b")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="int8: batch-invariant int8 linears (thinkahead/quantize.py)")
     ap.add_argument("--methods", default=",".join(ALL_METHODS))
     ap.add_argument("--workloads", default=",".join(ALL_WORKLOADS))
     ap.add_argument("--quick", action="store_true", help="1 item per workload, short outputs")
@@ -304,7 +315,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {
         "target": args.target, "draft": args.draft, "dtype": args.dtype, "threads": torch.get_num_threads(),
-        "machine": f"{platform.machine()} CPU, {torch.get_num_threads()} threads, torch {torch.__version__}",
+        "machine": f"{platform.machine()} CPU ({cpu_features()}), {torch.get_num_threads()} threads, torch {torch.__version__}",
         "command": "python bench/token_spec.py " + " ".join(sys.argv[1:]), "load_s": round(load_s, 1),
         "sizes": sizes, "max_new_tokens": max_new, "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
     }

@@ -15,6 +15,8 @@ import json
 
 import click
 
+from thinkahead.model_registry import DTYPES
+
 # The choices of --drafter (token_spec.presets.DRAFTER_KINDS, repeated so that --help stays light).
 DRAFTERS = ("suffix", "suffix-tree", "prompt-lookup", "draft-model", "hybrid", "none")
 
@@ -95,7 +97,7 @@ def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
 @click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True)
 @click.option("--top-p", type=click.FloatRange(min=0, min_open=True, max=1), default=1.0, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16", show_default=True)
+@click.option("--dtype", type=click.Choice(list(DTYPES)), default="bfloat16", show_default=True)
 @click.option("--cache-file", type=click.Path(dir_okay=False, path_type=Path),
               help="Suffix cache to load before and save after the batch (a warm cache across jobs).")
 def generate(prompts, input_path, output, model, drafter, draft_model, max_new_tokens, max_draft,

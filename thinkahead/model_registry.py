@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 _CHUNK = 4 * 1024 * 1024
 _MARKER_SUFFIX = ".verified.json"
-DTYPES: tuple[str, ...] = ("bfloat16", "float32")
+DTYPES: tuple[str, ...] = ("bfloat16", "float32", "int8")
 
 
 @dataclass(frozen=True, slots=True)
@@ -520,6 +520,7 @@ def load_causal_lm(
 
     GGUF sources load with ``from_pretrained(DIR, gguf_file=NAME)`` (weights are unpacked to
     `dtype`); hub ids and local directories load without gguf_file. The model is in eval mode.
+    `dtype="int8"` loads in bf16, then quantizes every linear layer (thinkahead/quantize.py).
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
@@ -535,8 +536,12 @@ def load_causal_lm(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     extra: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
-    torch_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
+    torch_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "int8": torch.bfloat16}[dtype]
     model = AutoModelForCausalLM.from_pretrained(location, dtype=torch_dtype, **extra)
     tokenizer = AutoTokenizer.from_pretrained(location, **extra)
     model.eval()
+    if dtype == "int8":
+        from thinkahead.quantize import quantize_int8
+
+        model = quantize_int8(model)
     return model, tokenizer

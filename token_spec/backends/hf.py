@@ -60,7 +60,8 @@ class HFEngine:
         self.model = model
         self.name: str = getattr(model.config, "name_or_path", "") or type(model).__name__
         out_emb = model.get_output_embeddings()
-        self.vocab_size: int = int(out_emb.weight.shape[0]) if out_emb is not None else int(config.vocab_size)
+        # `out_features` exists on nn.Linear and on its int8 replacement (whose `weight` is a method)
+        self.vocab_size: int = int(getattr(out_emb, "out_features", None) or config.vocab_size)
         self.dtype: torch.dtype = model.dtype
         self.device: torch.device = model.device
         # Layer type -> index of its first layer (for cache mask sizes); empty when every layer is full
