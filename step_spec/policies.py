@@ -1,0 +1,245 @@
+"""Step policies: who writes the next reasoning step, and whether a cheap draft is kept.
+
+Every policy implements `next_step(ctx) -> StepOutcome`:
+- `large`, `small`: baselines, one model writes everything;
+- `specreason`: the small model drafts, the large model judges it 0-9 in one forward pass; below
+  the threshold the large model rewrites the step (SpecReason). With `lookahead`, the small model
+  drafts step i+1 while step i is being judged, and the guess is dropped if step i is rejected;
+- `arbitrage`: a router decides before drafting whether the large model should write (Arbitrage);
+- `reflect`: the small model writes; a step that opens with a reflection cue ("wait", ...) is
+  handed to the large model (Speculative Thinking).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+from thinkahead.models.base import Completion, GenerationRequest
+from thinkahead.step_spec.segment import Step, cut_step, stop_strings
+from thinkahead.step_spec.state import StepContext, StepOutcome
+from thinkahead.verifiers.judge import LLMJudge
+
+POLICY_NAMES = ("large", "small", "specreason", "arbitrage", "reflect")
+
+
+class StepPolicy(Protocol):
+    name: str
+
+    async def next_step(self, ctx: StepContext) -> StepOutcome: ...
+
+
+@dataclass(slots=True)
+class Written:
+    """A step one model wrote: the cut step and the generation that produced it."""
+
+    step: Step
+    completion: Completion
+    tier: str
+
+    @property
+    def tokens(self) -> int:
+        return self.completion.completion_tokens
+
+
+async def write_step(ctx: StepContext, tier: str, messages: list[dict[str, str]] | None = None) -> Written:
+    """Let the `tier` model write one step continuing `messages` (default: the context's)."""
+    model = ctx.model(tier)
+    messages = messages if messages is not None else ctx.messages()
+    request = GenerationRequest(
+        messages=messages,
+        continue_final=messages[-1]["role"] == "assistant",
+        max_new_tokens=ctx.segment.max_step_tokens,
+        stop=stop_strings(ctx.segment),
+        speculative=ctx.speculative,
+        temperature=ctx.temperature,
+        seed=ctx.seed,
+    )
+    completion = await model.generate(request)
+    raw = completion.text + (completion.matched_stop or "")  # put the delimiter (or </think>) back
+    step = cut_step(raw, ctx.segment, hit_token_cap=completion.finish_reason == "length")
+    return Written(step, completion, tier)
+
+
+def outcome(written: Written, verdict: str, **extra) -> StepOutcome:
+    """A `StepOutcome` for a kept step; token counts of discarded work are added by the caller."""
+    c = written.completion
+    ends = written.step.ends_thinking or (c.finish_reason == "stop" and c.matched_stop is None)
+    out = StepOutcome(
+        text=written.step.text,
+        author=written.tier,
+        verdict=verdict,
+        kind=written.step.kind,
+        time_s=c.time_s,
+        ends_response=ends,
+        spec=dict(c.spec),
+        **extra,
+    )
+    out.tokens[written.tier] += written.tokens
+    return out
+
+
+def discard(out: StepOutcome, draft: Written) -> StepOutcome:
+    """Account for a draft that was written and thrown away."""
+    out.tokens[draft.tier] += draft.tokens
+    out.time_s += draft.completion.time_s
+    out.discarded = draft.step.text
+    return out
+
+
+class SingleModel:
+    """Baseline: one model writes every step."""
+
+    def __init__(self, tier: str) -> None:
+        if tier not in ("small", "large"):
+            raise ValueError(f"tier must be 'small' or 'large', got {tier!r}")
+        self.tier = tier
+        self.name = tier
+
+    async def next_step(self, ctx: StepContext) -> StepOutcome:
+        return outcome(await write_step(ctx, self.tier), "baseline")
+
+
+class SpecReason:
+    """Small model drafts, large model judges; rewrite by the large model below `threshold`."""
+
+    name = "specreason"
+
+    def __init__(
+        self,
+        threshold: float = 7.0,
+        score_mode: str = "greedy",
+        first_large_steps: int = 0,
+        lookahead: bool = False,
+    ) -> None:
+        if first_large_steps < 0:
+            raise ValueError(f"first_large_steps must be >= 0, got {first_large_steps}")
+        self.threshold = threshold
+        self.score_mode = score_mode
+        self.first_large_steps = first_large_steps
+        self.lookahead = lookahead
+        self._judge: LLMJudge | None = None
+        self._ahead: tuple[str, asyncio.Task[Written]] | None = None  # (reasoning it continues, draft task)
+
+    def judge_for(self, ctx: StepContext) -> LLMJudge:
+        if self._judge is None or self._judge.model is not ctx.large:
+            self._judge = LLMJudge(ctx.large, self.threshold, self.score_mode)  # type: ignore[arg-type]
+        return self._judge
+
+    async def next_step(self, ctx: StepContext) -> StepOutcome:
+        if ctx.index < self.first_large_steps:
+            return outcome(await write_step(ctx, "large"), "forced")
+        t0 = time.perf_counter()
+        draft = await self._draft(ctx)
+        messages = ctx.messages()
+        judge = self.judge_for(ctx)
+        if self.lookahead and not (draft.step.ends_thinking or draft.step.kind in ("final", "empty")):
+            # guess that the draft passes: draft the following step while the judge works
+            guess = _with_reasoning(ctx, ctx.reasoning + draft.step.text)
+            self._ahead = (ctx.reasoning + draft.step.text, asyncio.create_task(write_step(ctx, "small", guess)))
+        verdict = await judge.judge(messages, draft.step.text)
+        if verdict.accept:
+            out = outcome(draft, "accepted", score=verdict.score, judge_calls=1)
+        else:
+            await self._drop_lookahead()
+            out = discard(outcome(await write_step(ctx, "large"), "rejected", score=verdict.score, judge_calls=1), draft)
+        out.time_s = time.perf_counter() - t0
+        return out
+
+    async def _draft(self, ctx: StepContext) -> Written:
+        """The small model's draft: the lookahead guess when it continues exactly this reasoning."""
+        if self._ahead is not None:
+            reasoning, task = self._ahead
+            self._ahead = None
+            if reasoning == ctx.reasoning:
+                return await task
+            task.cancel()
+        return await write_step(ctx, "small")
+
+    async def _drop_lookahead(self) -> None:
+        if self._ahead is not None:
+            _, task = self._ahead
+            self._ahead = None
+            task.cancel()
+            try:
+                await task  # a worker thread cannot be interrupted: let it finish, then forget it
+            except (asyncio.CancelledError, Exception):
+                pass
+
+
+def _with_reasoning(ctx: StepContext, reasoning: str) -> list[dict[str, str]]:
+    out = [{"role": "system", "content": ctx.system}] if ctx.system else []
+    return out + [{"role": "user", "content": ctx.problem}, {"role": "assistant", "content": reasoning}]
+
+
+class Arbitrage:
+    """A router decides before drafting whether the large model writes this step."""
+
+    name = "arbitrage"
+
+    def __init__(self, router=None, top_k: int = 20) -> None:
+        from thinkahead.verifiers.router import HeuristicRouter
+
+        self.router = router if router is not None else HeuristicRouter()
+        self.top_k = top_k
+
+    async def next_step(self, ctx: StepContext) -> StepOutcome:
+        from thinkahead.verifiers.router import RouterFeatures, entropy_from_logprobs, opens_with_reflection
+
+        t0 = time.perf_counter()
+        prompt = ctx.small.render(ctx.messages(), continue_final=bool(ctx.steps))
+        logprobs = await ctx.small.next_token_logprobs(prompt, self.top_k)
+        prev = ctx.steps[-1] if ctx.steps else None
+        features = RouterFeatures(
+            step_index=ctx.index,
+            prev_score=prev.score if prev is not None else None,
+            small_entropy=entropy_from_logprobs(logprobs),
+            prev_step_tokens=sum(prev.tokens.values()) if prev is not None else 0,
+            prev_had_reflection=opens_with_reflection(prev.text) if prev is not None else False,
+            problem_tokens=ctx.small.count_tokens(ctx.problem),
+        )
+        tier, p = self.router.route(features)
+        out = outcome(await write_step(ctx, tier), "routed", route_p=p)
+        out.time_s = time.perf_counter() - t0
+        return out
+
+
+class Reflect:
+    """The small model writes; steps opening with a reflection cue go to the large model."""
+
+    name = "reflect"
+
+    async def next_step(self, ctx: StepContext) -> StepOutcome:
+        from thinkahead.verifiers.router import opens_with_reflection
+
+        draft = await write_step(ctx, "small")
+        if not opens_with_reflection(draft.step.text):
+            return outcome(draft, "baseline")
+        return discard(outcome(await write_step(ctx, "large"), "reflection"), draft)
+
+
+def make_policy(name: str, **options) -> StepPolicy:
+    """A policy by name; options go to its constructor (e.g. threshold=5 for specreason)."""
+    if name in ("large", "small"):
+        if options:
+            raise ValueError(f"policy {name!r} takes no options, got {sorted(options)}")
+        return SingleModel(name)
+    if name == "specreason":
+        return SpecReason(**options)
+    if name == "arbitrage":
+        from thinkahead.verifiers.router import load_router
+
+        router = options.pop("router", None)
+        return Arbitrage(load_router(router) if isinstance(router, str) else router, **options)
+    if name == "reflect":
+        if options:
+            raise ValueError(f"policy 'reflect' takes no options, got {sorted(options)}")
+        return Reflect()
+    raise ValueError(f"unknown step policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
+
+
+__all__ = [
+    "POLICY_NAMES", "Arbitrage", "Reflect", "SingleModel", "SpecReason", "StepPolicy", "make_policy", "write_step",
+]

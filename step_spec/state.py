@@ -1,0 +1,75 @@
+"""The records a step loop passes around: the context a policy sees and the outcome it returns."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from thinkahead.models.base import LanguageModel
+from thinkahead.step_spec.segment import SegmentConfig
+
+TIERS = ("small", "large")
+
+
+@dataclass(slots=True)
+class StepOutcome:
+    """One reasoning step: what it says, who wrote it, why, and what it cost.
+
+    `tokens` counts generated tokens per tier, discarded drafts included; `verdict` is one of
+    "baseline" (a one-model policy), "accepted" / "rejected" (judged), "forced" (the first steps
+    go to the large model), "routed" (a router's choice), "reflection" (handed over on a cue),
+    "final" (the forced final answer).
+    """
+
+    text: str
+    author: str
+    verdict: str
+    kind: str = "step"
+    score: float | None = None
+    tokens: dict[str, int] = field(default_factory=lambda: {"small": 0, "large": 0})
+    time_s: float = 0.0
+    judge_calls: int = 0
+    discarded: str | None = None  # the draft that was thrown away, if any
+    route_p: float | None = None  # router's probability that the large model is better
+    ends_response: bool = False  # the model ended its answer (end-of-turn token or </think>)
+    spec: dict[str, float] = field(default_factory=dict)  # token-level speculation, summed
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class StepContext:
+    """What a policy sees: the problem, the steps so far, both models and the segmentation."""
+
+    problem: str
+    small: LanguageModel
+    large: LanguageModel
+    segment: SegmentConfig = field(default_factory=SegmentConfig)
+    system: str | None = None
+    steps: list[StepOutcome] = field(default_factory=list)
+    speculative: bool = True  # token-level speculation inside every generation
+    temperature: float = 0.0
+    seed: int | None = None
+
+    @property
+    def index(self) -> int:
+        """Index of the step about to be written."""
+        return len(self.steps)
+
+    @property
+    def reasoning(self) -> str:
+        return "".join(s.text for s in self.steps)
+
+    def model(self, tier: str) -> LanguageModel:
+        if tier not in TIERS:
+            raise ValueError(f"tier must be 'small' or 'large', got {tier!r}")
+        return self.small if tier == "small" else self.large
+
+    def messages(self) -> list[dict[str, str]]:
+        """The conversation so far; the reasoning is a partial assistant message to continue."""
+        out = [{"role": "system", "content": self.system}] if self.system else []
+        out.append({"role": "user", "content": self.problem})
+        if self.steps:
+            out.append({"role": "assistant", "content": self.reasoning})
+        return out

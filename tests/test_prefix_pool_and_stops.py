@@ -1,0 +1,72 @@
+"""KV prefix reuse across generations, and stop strings in the decoder."""
+
+from __future__ import annotations
+
+import pytest
+
+from thinkahead.token_spec.controller import FixedController
+from thinkahead.token_spec.decoder import SpeculativeDecoder, plain_greedy
+from thinkahead.token_spec.drafters import SuffixDrafter
+from thinkahead.token_spec.prefix_pool import KVPrefixPool
+from thinkahead.token_spec.suffix_cache import SuffixCache
+
+from tests.test_speculative_decoding import repetitive_prompt
+
+
+class LetterTokenizer:
+    """Token id -> one letter (ids 0-2 decode to a space), enough to test stop strings."""
+
+    eos_token_id = None
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(" " if i < 3 else chr(ord("a") + i % 26) for i in ids)
+
+
+def test_prefix_pool_reuses_kv_and_output_is_unchanged(tiny_engine_factory) -> None:
+    engine = tiny_engine_factory("qwen2")
+    pool = KVPrefixPool(engine, max_sessions=2)
+    decoder = SpeculativeDecoder(engine, SuffixDrafter(SuffixCache()), FixedController(4), prefix_pool=pool)
+    prompt = repetitive_prompt(5, 40)
+    first = decoder.generate(prompt, 20, stop_token_ids=[])
+    assert first.stats.cached_tokens == 0
+    # the next "step": the prompt grows by the output and a few new tokens
+    longer = prompt + first.token_ids + [7, 8, 9]
+    second = decoder.generate(longer, 20, stop_token_ids=[])
+    assert second.stats.cached_tokens == len(prompt) + len(first.token_ids) - 1
+    assert second.token_ids == plain_greedy(engine, longer, 20)
+    # an edited history shares only part of the prefix; the output is still exact
+    edited = prompt[:10] + [5] + prompt[11:]
+    third = decoder.generate(edited, 20, stop_token_ids=[])
+    assert third.stats.cached_tokens == 10
+    assert third.token_ids == plain_greedy(engine, edited, 20)
+    assert pool.hits == 2
+
+
+def test_prefix_pool_evicts_least_recently_used(tiny_engine_factory) -> None:
+    engine = tiny_engine_factory("llama")
+    pool = KVPrefixPool(engine, max_sessions=1)
+    decoder = SpeculativeDecoder(engine, None, FixedController(0), prefix_pool=pool)
+    a, b = repetitive_prompt(1, 30), repetitive_prompt(2, 30)
+    decoder.generate(a, 5, stop_token_ids=[])
+    decoder.generate(b, 5, stop_token_ids=[])  # evicts a's session
+    assert decoder.generate(a + [4], 5, stop_token_ids=[]).stats.cached_tokens == 0
+    with pytest.raises(ValueError, match="max_sessions"):
+        KVPrefixPool(engine, max_sessions=0)
+
+
+def test_stop_strings_cut_text_and_tokens(tiny_engine_factory) -> None:
+    engine = tiny_engine_factory("llama")
+    tokenizer = LetterTokenizer()
+    prompt = repetitive_prompt(7, 30)
+    reference = plain_greedy(engine, prompt, 30)
+    text = tokenizer.decode(reference)
+    stop = text[12:14]  # two letters the reference really produces
+    end = text.find(stop) + len(stop)  # the stop completes at this character = token index
+    decoder = SpeculativeDecoder(engine, SuffixDrafter(SuffixCache()), FixedController(6), tokenizer=tokenizer)
+    decoder.generate(prompt, 30, stop_token_ids=[])  # warm the global tree: later drafts run past the stop
+    result = decoder.generate(prompt, 30, stop_token_ids=[], stop_strings=[stop])
+    assert result.finish_reason == "stop" and result.matched_stop == stop
+    assert result.token_ids == reference[:end]
+    assert result.text == text[: end - len(stop)]
+    with pytest.raises(ValueError, match="tokenizer"):
+        SpeculativeDecoder(engine, None).generate(prompt, 5, stop_strings=["x"])

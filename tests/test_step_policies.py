@@ -1,0 +1,160 @@
+"""Step policies and the step loop on scripted models: decisions, accounting, stops and budgets."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+
+from thinkahead.models import ScriptedModel
+from thinkahead.step_spec.loop import StepBudget, StepLoop
+from thinkahead.step_spec.policies import SpecReason, make_policy
+from thinkahead.step_spec.segment import SegmentConfig
+from thinkahead.verifiers.judge import judge_messages, score_from_logprobs
+
+
+def digits(score: int) -> dict[str, float]:
+    """Judge logprobs that put 90% on `score`."""
+    out = {str(d): math.log(0.1 / 9) for d in range(10) if d != score}
+    out[str(score)] = math.log(0.9)
+    return out
+
+
+def small_steps(n: int, final: str = "So the answer is \\boxed{12}.") -> list[str]:
+    return [f"small step {i}: add {i} and {i}.\n\nleftover" for i in range(n)] + [final]
+
+
+def run(loop: StepLoop, problem: str = "What is 5 + 7?"):
+    return asyncio.run(loop.run(problem))
+
+
+def test_baselines_write_every_step_with_one_model() -> None:
+    small = ScriptedModel(small_steps(2), name="small")
+    large = ScriptedModel(["unused"], name="large")
+    result = run(StepLoop(small, large, make_policy("small")))
+    assert [s.author for s in result.steps] == ["small"] * 3
+    assert result.stop_reason == "answer" and "\\boxed{12}" in result.answer
+    # the delimiter is kept and the text past it dropped; steps concatenate into the reasoning
+    assert result.steps[0].text == "small step 0: add 0 and 0.\n\n"
+    assert result.reasoning == "".join(s.text for s in result.steps)
+    assert large.calls == [] and result.small_share == 1.0
+    # every call continues the reasoning so far, with the blank line as the stop string
+    second = small.calls[1]
+    assert second.request.messages[-1] == {"role": "assistant", "content": result.steps[0].text}
+    assert second.request.continue_final and second.request.stop[0] == "\n\n"
+
+
+def test_specreason_accepts_at_threshold_and_rewrites_below() -> None:
+    small = ScriptedModel(small_steps(3), name="small")
+    large = ScriptedModel(["large rewrite of step 1.\n\n"], logprobs=[digits(8), digits(3), digits(7), digits(9)])
+    result = run(StepLoop(small, large, SpecReason(threshold=7)))
+    verdicts = [(s.author, s.verdict, s.score) for s in result.steps]
+    assert verdicts == [
+        ("small", "accepted", 8.0), ("large", "rejected", 3.0), ("small", "accepted", 7.0), ("small", "accepted", 9.0),
+    ]
+    rejected = result.steps[1]
+    assert rejected.discarded == "small step 1: add 1 and 1.\n\n"
+    assert rejected.tokens["small"] == 7 and rejected.tokens["large"] == 5  # the discarded draft is counted
+    assert result.judge_calls == 4 and result.large_calls == 5
+    assert result.small_share == 0.75
+    # the judge prompt continues the generation prefix: reasoning so far + the draft, then the question
+    judge_prompt = [c.prompt for c in large.calls if c.kind == "logprobs"][1]
+    assert result.steps[0].text + "small step 1" in judge_prompt and "single digit" in judge_prompt
+
+
+def test_specreason_forces_first_steps_and_expected_scores() -> None:
+    small = ScriptedModel(small_steps(2), name="small")
+    large = ScriptedModel(["large opening.\n\n"], logprobs=[{"6": math.log(0.5), "9": math.log(0.5)}])
+    result = run(StepLoop(small, large, SpecReason(threshold=7, score_mode="expected", first_large_steps=1)))
+    assert result.steps[0].verdict == "forced" and result.steps[0].author == "large"
+    assert result.steps[1].score == pytest.approx(7.5) and result.steps[1].verdict == "accepted"
+
+
+def counting_small(prompt, request):
+    k = prompt.count("STEP")
+    return "So the answer is \\boxed{12}." if k >= 3 else f"STEP small {k}.\n\n"
+
+
+def counting_large(prompt, request):
+    return f"STEP large {prompt.count('STEP')}.\n\n"
+
+
+def judge_rejects_small_1(prompt):
+    last_step = prompt.rsplit("STEP", 1)[-1]
+    return digits(2) if last_step.startswith(" small 1.") else digits(9)
+
+
+def test_lookahead_drafts_next_step_during_judging_and_drops_it_on_rejection() -> None:
+    def models(delay):
+        return (ScriptedModel(counting_small, name="small", delay_s=delay),
+                ScriptedModel(counting_large, logprobs=judge_rejects_small_1, name="large", delay_s=delay))
+
+    plain = run(StepLoop(*models(0.0), SpecReason()))
+    small, large = models(0.02)
+    ahead = run(StepLoop(small, large, SpecReason(lookahead=True)))
+    assert [s.text for s in ahead.steps] == [s.text for s in plain.steps]
+    assert [s.verdict for s in ahead.steps] == ["accepted", "rejected", "accepted", "accepted"]
+    # a guess continued the draft "STEP small 1." while it was judged, and was thrown away
+    guesses = [p for p in small.generated_prompts() if "STEP small 1." in p]
+    assert guesses and "STEP small 1." not in ahead.reasoning
+    # accepted drafts were reused: the small model wrote no step twice
+    assert len(small.generated_prompts()) == len(plain.steps) + 1
+
+
+def test_reflect_hands_reflection_steps_to_large() -> None:
+    small = ScriptedModel(["First, 5 + 7 = 12.\n\n", "Wait, let me double check that.\n\n", "Answer: 12"], name="small")
+    large = ScriptedModel(["Checking: 7 + 5 = 12 as well.\n\n"], name="large")
+    result = run(StepLoop(small, large, make_policy("reflect")))
+    assert [(s.author, s.verdict) for s in result.steps] == [("small", "baseline"), ("large", "reflection"), ("small", "baseline")]
+    assert result.steps[1].discarded.startswith("Wait")
+
+
+def test_budgets_stop_and_force_an_answer() -> None:
+    small = ScriptedModel([f"thinking {i} more.\n\n" for i in range(50)], name="small")
+    large = ScriptedModel(["42"], name="large")
+    result = run(StepLoop(small, large, make_policy("small"), budget=StepBudget(max_steps=3)))
+    assert result.stop_reason == "max_steps"
+    assert len(result.steps) == 4 and result.steps[-1].verdict == "final"
+    assert result.steps[-1].text.endswith("\\boxed{42}")
+    assert large.calls[-1].request.stop == ["}"]
+    small = ScriptedModel([f"thinking {i} more and more.\n\n" for i in range(50)], name="small")
+    result = run(StepLoop(small, ScriptedModel(["7"]), make_policy("small"), budget=StepBudget(max_tokens=10)))
+    assert result.stop_reason == "max_tokens" and len(result.steps) == 3  # 5 tokens a step
+
+
+def test_large_call_cap_and_repetition_stop() -> None:
+    large = ScriptedModel([f"large step {i} here.\n\n" for i in range(10)] + ["9"], logprobs=[digits(1)])
+    small = ScriptedModel(small_steps(8), name="small")
+    result = run(StepLoop(small, large, SpecReason(), budget=StepBudget(max_large_calls=4)))
+    assert result.stop_reason == "max_large_calls"  # each rejected step costs a judge call and a rewrite
+    repeating = ScriptedModel(["Let me add them.\n\n", "Let me add them.\n\n", "never"], name="small")
+    result = run(StepLoop(repeating, ScriptedModel(["12"]), make_policy("small")))
+    assert result.stop_reason == "repetition" and len(result.steps) == 3
+
+
+def test_stray_end_of_thinking_ends_the_loop() -> None:
+    small = ScriptedModel(["We add.\n\n", "5 + 7 = 12</think>The answer is 12."], name="small")
+    result = run(StepLoop(small, ScriptedModel(["12"]), make_policy("small"), segment=SegmentConfig()))
+    assert result.steps[1].kind == "end_think" and result.steps[1].ends_response
+    assert result.stop_reason == "end"
+
+
+def test_score_parsing_and_judge_messages() -> None:
+    assert score_from_logprobs({" 8": math.log(0.6), "8": math.log(0.1), "3": math.log(0.3)}, "greedy") == (8.0, pytest.approx(1.0))
+    assert score_from_logprobs({"yes": -0.1}, "greedy") == (0.0, 0.0)
+    msgs = judge_messages([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a\n\n"}], "b\n\n")
+    assert msgs[1] == {"role": "assistant", "content": "a\n\nb\n\n"} and msgs[-1]["content"] == "Score: "
+
+
+def test_bad_policy_configs() -> None:
+    with pytest.raises(ValueError, match="unknown step policy 'fast'"):
+        make_policy("fast")
+    with pytest.raises(ValueError, match="threshold"):
+        asyncio.run(SpecReason(threshold=12).next_step.__self__.judge_for.__func__(SpecReason(threshold=12), type("C", (), {"large": ScriptedModel()})()))
+    with pytest.raises(ValueError, match="first_large_steps"):
+        SpecReason(first_large_steps=-1)
+    with pytest.raises(ValueError, match="max_steps"):
+        StepBudget(max_steps=0)
+    with pytest.raises(ValueError, match="problem"):
+        run(StepLoop(ScriptedModel(), ScriptedModel(), make_policy("small")), problem="  ")

@@ -1,0 +1,141 @@
+"""The model layer's contract: what step policies, judges and workflows call.
+
+Every backend (local transformers, SGLang, any OpenAI-compatible server, a scripted fake) answers
+the same two questions, asynchronously so that many steps and requests can be in flight:
+`generate(request) -> Completion` and `next_token_logprobs(prompt, top_k)` (for judges, which read
+a score from the logprobs of digit tokens in one forward pass).
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+FINISH_REASONS = ("stop", "length")
+
+
+@dataclass(slots=True)
+class GenerationRequest:
+    """One generation call. Give either `prompt` (raw text, already templated) or `messages`.
+
+    `continue_final=True` continues the last message (a partial assistant message: the step loop
+    continues the model's own thinking text) instead of opening a new assistant turn.
+    """
+
+    prompt: str | None = None
+    messages: list[dict[str, str]] | None = None
+    continue_final: bool = False
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None
+    request_id: str | None = None
+    speculative: bool = True  # token-level speculation (lossless); off gives the plain baseline
+
+    def __post_init__(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("GenerationRequest needs exactly one of prompt= or messages=")
+        if self.messages is not None:
+            check_messages(self.messages)
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+
+
+@dataclass(slots=True)
+class Completion:
+    """What a generation returns: text, ids, why it ended, what it cost, and speculation stats.
+
+    `spec` uses SGLang's names (`spec_verify_ct`, `spec_num_proposed_drafts`,
+    `spec_num_correct_drafts`, `spec_accept_length`) whatever the backend.
+    """
+
+    text: str
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str = "stop"
+    matched_stop: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    time_s: float = 0.0
+    first_token_s: float = 0.0
+    model: str = ""
+    spec: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class LanguageModel(abc.ABC):
+    """A model the orchestrator can call. Subclasses implement the two async methods."""
+
+    name: str = "model"
+
+    @abc.abstractmethod
+    async def generate(self, request: GenerationRequest) -> Completion:
+        """Generate a continuation of the request's prompt."""
+
+    @abc.abstractmethod
+    async def next_token_logprobs(self, prompt: str, top_k: int = 20) -> dict[str, float]:
+        """Log-probabilities of the `top_k` most likely next tokens after `prompt` (raw text)."""
+
+    def render(self, messages: list[dict[str, str]], continue_final: bool = False) -> str:
+        """The raw prompt text for chat `messages` (the model's chat template where it has one)."""
+        return render_plain(messages, continue_final)
+
+    def count_tokens(self, text: str) -> int:
+        """Tokens in `text` (an estimate where the backend has no tokenizer)."""
+        return max(1, len(text) // 4) if text else 0
+
+    async def aclose(self) -> None:
+        """Release connections or memory; the default holds nothing."""
+
+
+def check_messages(messages: list[dict[str, str]]) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise ValueError(f"messages[{i}] must be a dict with string 'role' and 'content', got {m!r}")
+
+
+def render_plain(messages: list[dict[str, str]], continue_final: bool = False) -> str:
+    """A template-free rendering ("role: content" blocks) for backends without a chat template."""
+    check_messages(messages)
+    parts = [f"{m['role']}: {m['content']}" for m in messages]
+    if continue_final:
+        return "\n\n".join(parts)
+    return "\n\n".join(parts + ["assistant: "])
+
+
+def render_chat(tokenizer: Any, messages: list[dict[str, str]], continue_final: bool = False) -> str:
+    """Apply the tokenizer's chat template; `continue_final` leaves the last message open.
+
+    Reasoning-model templates drop the `<think>` block of earlier assistant turns; the final,
+    continued message is left exactly as given, so a step loop sees its own thinking text.
+    """
+    check_messages(messages)
+    if getattr(tokenizer, "chat_template", None) is None:
+        return render_plain(messages, continue_final)
+    if continue_final and messages[-1]["role"] != "assistant":
+        raise ValueError("continue_final=True needs the last message to be an assistant message")
+    return tokenizer.apply_chat_template(
+        messages,
+        tokenize=False,
+        add_generation_prompt=not continue_final,
+        continue_final_message=continue_final,
+    )
+
+
+def prompt_text(model: LanguageModel, request: GenerationRequest) -> str:
+    """The raw prompt of `request` for `model`."""
+    if request.prompt is not None:
+        return request.prompt
+    return model.render(request.messages or [], request.continue_final)

@@ -1,0 +1,169 @@
+"""`LocalModel`: a transformers model in this process, every generation speculative and lossless.
+
+One `LocalModel` owns one engine, one `SuffixCache` shared by all its requests and agents (so a
+pipeline's repeated sub-tasks draft from each other's outputs), and a KV prefix pool (so the step
+loop and the judge, whose prompts extend earlier ones, skip re-reading the shared prefix). Calls are
+async: each runs in a worker thread, one at a time per model, so two models (small and large) can
+work at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+import time
+from typing import Any
+
+from thinkahead.models.base import Completion, GenerationRequest, LanguageModel, prompt_text, render_chat
+
+# Chat-turn end markers of the supported families, used as stop tokens next to the eos token.
+TURN_END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<end_of_turn>", "<|eot_id|>", "<|end|>")
+
+
+class LocalModel(LanguageModel):
+    """A local transformers causal LM behind the `LanguageModel` API.
+
+    Args:
+        spec: a model spec (`gguf:PATH`, `hf:ID`, a directory, a registry name such as
+            `qwen2.5-coder-0.5b`), resolved as everywhere else; or pass `model=` and `tokenizer=`.
+        dtype: "bfloat16", "float32" or "int8" (batch-invariant int8 linears, fastest on CPUs
+            without bf16 units).
+        drafter: token-level drafter for speculative requests ("suffix", "prompt-lookup", ...,
+            "none"); see `thinkahead.token_spec.presets.DRAFTER_KINDS`.
+        max_draft: largest draft per verify round.
+        kv_sessions: how many finished generations keep their KV for prefix reuse.
+    """
+
+    def __init__(
+        self,
+        spec: str | None = None,
+        *,
+        model: Any = None,
+        tokenizer: Any = None,
+        dtype: str = "bfloat16",
+        drafter: str = "suffix",
+        max_draft: int = 16,
+        kv_sessions: int = 4,
+        cache: Any = None,
+        name: str | None = None,
+    ) -> None:
+        from thinkahead.token_spec.backends.hf import HFEngine
+        from thinkahead.token_spec.prefix_pool import KVPrefixPool
+        from thinkahead.token_spec.presets import DRAFTER_KINDS, build_decoder
+        from thinkahead.token_spec.suffix_cache import SuffixCache
+
+        if drafter not in DRAFTER_KINDS or drafter in ("draft-model", "hybrid"):
+            model_free = [k for k in DRAFTER_KINDS if k not in ("draft-model", "hybrid")]
+            raise ValueError(f"LocalModel drafter must be one of {', '.join(model_free)}, got {drafter!r}")
+        if (spec is None) == (model is None):
+            raise ValueError("LocalModel needs either a model spec or model= (with tokenizer=)")
+        if model is not None and tokenizer is None:
+            raise ValueError("LocalModel(model=...) also needs tokenizer=")
+        if spec is not None:
+            from thinkahead.model_registry import load_causal_lm
+
+            model, tokenizer = load_causal_lm(spec, dtype)
+        self.name = name or spec or getattr(model.config, "name_or_path", "") or "local"
+        self.tokenizer = tokenizer
+        self.engine = HFEngine(model)
+        self.suffix_cache = cache if cache is not None else SuffixCache()
+        self.prefix_pool = KVPrefixPool(self.engine, max_sessions=kv_sessions)
+        common = dict(tokenizer=tokenizer, cache=self.suffix_cache, max_draft=max_draft, prefix_pool=self.prefix_pool)
+        self._speculative = build_decoder(drafter, self.engine, **common)
+        self._plain = build_decoder("none", self.engine, **common)
+        self.stop_token_ids = self._stop_token_ids()
+        self._lock = threading.Lock()  # one generation at a time per model (the suffix cache is not thread-safe)
+
+    # ------------------------------------------------------------------ LanguageModel
+    async def generate(self, request: GenerationRequest) -> Completion:
+        return await asyncio.to_thread(self.generate_sync, request)
+
+    async def next_token_logprobs(self, prompt: str, top_k: int = 20) -> dict[str, float]:
+        return await asyncio.to_thread(self.next_token_logprobs_sync, prompt, top_k)
+
+    def render(self, messages: list[dict[str, str]], continue_final: bool = False) -> str:
+        return render_chat(self.tokenizer, messages, continue_final)
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.encode(text))
+
+    # ------------------------------------------------------------------ sync implementations
+    def generate_sync(self, request: GenerationRequest) -> Completion:
+        from thinkahead.token_spec.verify import SamplingParams
+
+        ids = self.encode(prompt_text(self, request))
+        decoder = self._speculative if request.speculative else self._plain
+        sampling = SamplingParams(temperature=request.temperature, top_p=request.top_p)
+        with self._lock:
+            result = decoder.generate(
+                ids,
+                request.max_new_tokens,
+                sampling=sampling,
+                stop_token_ids=self.stop_token_ids,
+                seed=request.seed,
+                request_id=request.request_id,
+                stop_strings=request.stop,
+            )
+        stats = result.stats
+        spec = {
+            k: v for k, v in stats.to_dict().items()
+            if k.startswith("spec_") or k in ("draft_time_s", "verify_time_s", "prefill_time_s")
+        }
+        matched = result.matched_stop if isinstance(result.matched_stop, str) else None
+        return Completion(
+            text=result.text,
+            token_ids=result.token_ids,
+            finish_reason=result.finish_reason,
+            matched_stop=matched,
+            prompt_tokens=stats.prompt_tokens,
+            completion_tokens=stats.completion_tokens,
+            cached_tokens=stats.cached_tokens,
+            time_s=stats.total_time_s,
+            first_token_s=stats.first_token_s,
+            model=self.name,
+            spec=spec,
+        )
+
+    def next_token_logprobs_sync(self, prompt: str, top_k: int = 20) -> dict[str, float]:
+        import torch
+
+        if top_k < 1:
+            raise ValueError(f"top_k must be >= 1, got {top_k}")
+        ids = self.encode(prompt)
+        if not ids:
+            raise ValueError("next_token_logprobs needs a non-empty prompt")
+        with self._lock, torch.inference_mode():
+            # acquire() keeps the last token out of the reused prefix, so there is always one to feed
+            session, cached = self.prefix_pool.acquire(ids)
+            logits = self.engine.forward(session, ids[cached:], last_only=True)[-1]
+            self.prefix_pool.release(session, ids)
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        values, indices = torch.topk(logprobs, min(top_k, logprobs.shape[-1]))
+        out: dict[str, float] = {}
+        for v, i in zip(values.tolist(), indices.tolist()):
+            text = self.tokenizer.decode([i])
+            if text not in out:  # two ids can decode alike; keep the likelier
+                out[text] = v if math.isfinite(v) else -1e30
+        return out
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of raw prompt text; a BOS token is added only where the tokenizer wants one."""
+        ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+        bos = getattr(self.tokenizer, "bos_token_id", None)
+        if bos is not None and getattr(self.tokenizer, "add_bos_token", False) and (not ids or ids[0] != bos):
+            ids.insert(0, bos)
+        return ids
+
+    def _stop_token_ids(self) -> list[int]:
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        stops = set(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
+        vocab = self.tokenizer.get_vocab() if hasattr(self.tokenizer, "get_vocab") else {}
+        stops.update(vocab[t] for t in TURN_END_TOKENS if t in vocab)
+        return sorted(stops)
+
+    def warm_time(self) -> float:
+        """Seconds of one tiny generation (loads kernels); benchmarks call it before timing."""
+        t = time.perf_counter()
+        self.generate_sync(GenerationRequest(prompt="Hello", max_new_tokens=2, speculative=False))
+        return time.perf_counter() - t
