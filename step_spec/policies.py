@@ -113,6 +113,7 @@ class SpecReason:
         score_mode: str = "greedy",
         first_large_steps: int = 0,
         lookahead: bool = False,
+        verifier=None,
     ) -> None:
         if first_large_steps < 0:
             raise ValueError(f"first_large_steps must be >= 0, got {first_large_steps}")
@@ -120,11 +121,11 @@ class SpecReason:
         self.score_mode = score_mode
         self.first_large_steps = first_large_steps
         self.lookahead = lookahead
-        self._judge: LLMJudge | None = None
+        self._judge = verifier  # any StepVerifier (LLM judge, PRM); default: the large model as LLM judge
         self._ahead: tuple[str, asyncio.Task[Written]] | None = None  # (reasoning it continues, draft task)
 
-    def judge_for(self, ctx: StepContext) -> LLMJudge:
-        if self._judge is None or self._judge.model is not ctx.large:
+    def judge_for(self, ctx: StepContext):
+        if self._judge is None or (isinstance(self._judge, LLMJudge) and self._judge.model is not ctx.large):
             self._judge = LLMJudge(ctx.large, self.threshold, self.score_mode)  # type: ignore[arg-type]
         return self._judge
 
@@ -186,22 +187,61 @@ class Arbitrage:
         self.top_k = top_k
 
     async def next_step(self, ctx: StepContext) -> StepOutcome:
-        from thinkahead.verifiers.router import RouterFeatures, entropy_from_logprobs, opens_with_reflection
+        t0 = time.perf_counter()
+        tier, p = self.router.route(await router_features(ctx, self.top_k))
+        out = outcome(await write_step(ctx, tier), "routed", route_p=p)
+        out.time_s = time.perf_counter() - t0
+        return out
+
+
+async def router_features(ctx: StepContext, top_k: int = 20):
+    """What an Arbitrage router sees before the step is drafted (one small-model forward)."""
+    from thinkahead.verifiers.router import RouterFeatures, entropy_from_logprobs, opens_with_reflection
+
+    prompt = ctx.small.render(ctx.messages(), continue_final=bool(ctx.steps))
+    logprobs = await ctx.small.next_token_logprobs(prompt, top_k)
+    prev = ctx.steps[-1] if ctx.steps else None
+    return RouterFeatures(
+        step_index=ctx.index,
+        prev_score=prev.score if prev is not None else None,
+        small_entropy=entropy_from_logprobs(logprobs),
+        prev_step_tokens=sum(prev.tokens.values()) if prev is not None else 0,
+        prev_had_reflection=opens_with_reflection(prev.text) if prev is not None else False,
+        problem_tokens=ctx.small.count_tokens(ctx.problem),
+    )
+
+
+class CollectPairs:
+    """Router training data: both models write each step, the judge scores both, a pair is saved.
+
+    The better-scored step is kept (the small one on ties), so the reasoning stays on track; each
+    pair goes to `pairs_path` (JSONL, flushed per line) with the features the router will see.
+    """
+
+    name = "collect"
+
+    def __init__(self, pairs_path, problem_id: str = "", threshold: float = 7.0, score_mode: str = "expected") -> None:
+        self.pairs_path = pairs_path
+        self.problem_id = problem_id
+        self.threshold = threshold
+        self.score_mode = score_mode
+
+    async def next_step(self, ctx: StepContext) -> StepOutcome:
+        from thinkahead.verifiers.router import PairedStep, write_pairs
 
         t0 = time.perf_counter()
-        prompt = ctx.small.render(ctx.messages(), continue_final=bool(ctx.steps))
-        logprobs = await ctx.small.next_token_logprobs(prompt, self.top_k)
-        prev = ctx.steps[-1] if ctx.steps else None
-        features = RouterFeatures(
-            step_index=ctx.index,
-            prev_score=prev.score if prev is not None else None,
-            small_entropy=entropy_from_logprobs(logprobs),
-            prev_step_tokens=sum(prev.tokens.values()) if prev is not None else 0,
-            prev_had_reflection=opens_with_reflection(prev.text) if prev is not None else False,
-            problem_tokens=ctx.small.count_tokens(ctx.problem),
-        )
-        tier, p = self.router.route(features)
-        out = outcome(await write_step(ctx, tier), "routed", route_p=p)
+        features = await router_features(ctx)
+        small, large = await write_step(ctx, "small"), await write_step(ctx, "large")
+        judge = LLMJudge(ctx.large, self.threshold, self.score_mode)  # type: ignore[arg-type]
+        messages = ctx.messages()
+        small_v, large_v = await judge.judge(messages, small.step.text), await judge.judge(messages, large.step.text)
+        write_pairs(self.pairs_path, [PairedStep(
+            problem_id=self.problem_id, step_index=ctx.index, features=features,
+            small_text=small.step.text, large_text=large.step.text,
+            small_score=small_v.score, large_score=large_v.score,
+        )])
+        keep, drop, score = (small, large, small_v.score) if small_v.score >= large_v.score else (large, small, large_v.score)
+        out = discard(outcome(keep, "collected", score=score, judge_calls=2), drop)
         out.time_s = time.perf_counter() - t0
         return out
 

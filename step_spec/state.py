@@ -18,7 +18,7 @@ class StepOutcome:
     `tokens` counts generated tokens per tier, discarded drafts included; `verdict` is one of
     "baseline" (a one-model policy), "accepted" / "rejected" (judged), "forced" (the first steps
     go to the large model), "routed" (a router's choice), "reflection" (handed over on a cue),
-    "final" (the forced final answer).
+    "collected" (router training: both wrote, the better one kept), "final" (the forced final answer).
     """
 
     text: str

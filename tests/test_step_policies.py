@@ -158,3 +158,62 @@ def test_bad_policy_configs() -> None:
         StepBudget(max_steps=0)
     with pytest.raises(ValueError, match="problem"):
         run(StepLoop(ScriptedModel(), ScriptedModel(), make_policy("small")), problem="  ")
+
+
+def test_arbitrage_routes_before_drafting() -> None:
+    from thinkahead.step_spec.policies import Arbitrage
+    from thinkahead.verifiers.router import HeuristicRouter
+
+    confident = {"The": 0.0}  # entropy 0: the small model is sure
+    unsure = {str(d): math.log(0.1) for d in range(10)}  # entropy ln 10 > 2
+    small = ScriptedModel(["small step a.\n\n", "Answer: 12"], logprobs=[confident, unsure, confident], name="small")
+    large = ScriptedModel(["large step b.\n\n"], name="large")
+    result = run(StepLoop(small, large, Arbitrage(HeuristicRouter(entropy_threshold=2.0))))
+    assert [(s.author, s.verdict) for s in result.steps] == [("small", "routed"), ("large", "routed"), ("small", "routed")]
+    assert result.steps[1].route_p > 0.5 > result.steps[0].route_p
+    assert result.judge_calls == 0 and len(large.calls) == 1  # no draft was written and thrown away
+
+
+def test_collect_pairs_then_train_a_router(tmp_path) -> None:
+    from thinkahead.step_spec.policies import CollectPairs
+    from thinkahead.verifiers.router import LogisticRouter, read_pairs, train_router
+
+    pairs = tmp_path / "pairs.jsonl"
+
+    def large_judge(prompt):  # the large model's own steps score 9, the small model's 2 or 8
+        last = prompt.rsplit("STEP", 1)[-1]
+        return digits(9) if last.startswith(" large") else digits(2 if " 1." in last[:9] else 8)
+
+    for pid in ("p1", "p2"):
+        # the small model is unsure exactly where it later writes the weak step
+        unsure = lambda p: {str(d): math.log(0.1) for d in range(10)} if p.count("STEP") == 1 else {"a": 0.0}  # noqa: E731
+        small = ScriptedModel(counting_small, logprobs=unsure, name="small")
+        large = ScriptedModel(counting_large, logprobs=large_judge, name="large")
+        policy = CollectPairs(pairs, problem_id=pid, score_mode="greedy")
+        result = run(StepLoop(small, large, policy, budget=StepBudget(max_steps=3)))
+        assert [s.verdict for s in result.steps[:3]] == ["collected"] * 3
+        assert result.judge_calls == 6
+    collected = read_pairs(pairs)
+    assert len(collected) == 6 and {p.problem_id for p in collected} == {"p1", "p2"}
+    assert [(p.step_index, p.small_score, p.large_score) for p in collected[:3]] == [(0, 8.0, 9.0), (1, 2.0, 9.0), (2, 8.0, 9.0)]
+    report = train_router(pairs, tmp_path / "router.json", margin=1.0)
+    assert report["n"] == 6 and report["positives"] == 2
+    router = LogisticRouter.load(tmp_path / "router.json")
+    assert router.route(collected[1].features)[0] == "large" and router.route(collected[0].features)[0] == "small"
+
+
+def test_likelihood_prm_scores_and_plugs_into_specreason() -> None:
+    from thinkahead.verifiers.prm import LikelihoodPRM
+
+    class Scoring(ScriptedModel):
+        async def continuation_logprobs(self, prompt, continuation):
+            return [math.log(0.9)] * 3 if "good" in continuation else [math.log(0.1)] * 3
+
+    small = ScriptedModel(["a good step.\n\n", "a bad step.\n\n", "Answer: 1"], name="small")
+    large = Scoring(["large step.\n\n"], name="large")
+    result = run(StepLoop(small, large, SpecReason(verifier=LikelihoodPRM(large, threshold=3.0))))
+    assert [(s.author, s.verdict, round(s.score, 2)) for s in result.steps[:2]] == [
+        ("small", "accepted", 8.1), ("large", "rejected", 0.9)]
+    assert result.steps[1].discarded == "a bad step.\n\n"
+    with pytest.raises(ValueError, match="threshold"):
+        LikelihoodPRM(large, threshold=10)

@@ -86,6 +86,10 @@ class LanguageModel(abc.ABC):
     async def next_token_logprobs(self, prompt: str, top_k: int = 20) -> dict[str, float]:
         """Log-probabilities of the `top_k` most likely next tokens after `prompt` (raw text)."""
 
+    async def continuation_logprobs(self, prompt: str, continuation: str) -> list[float]:
+        """Log-probability of each token of `continuation` after `prompt` (likelihood judges)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot score a given continuation")
+
     def render(self, messages: list[dict[str, str]], continue_final: bool = False) -> str:
         """The raw prompt text for chat `messages` (the model's chat template where it has one)."""
         return render_plain(messages, continue_final)

@@ -147,6 +147,30 @@ class LocalModel(LanguageModel):
                 out[text] = v if math.isfinite(v) else -1e30
         return out
 
+    async def continuation_logprobs(self, prompt: str, continuation: str) -> list[float]:
+        return await asyncio.to_thread(self.continuation_logprobs_sync, prompt, continuation)
+
+    def continuation_logprobs_sync(self, prompt: str, continuation: str) -> list[float]:
+        """Log-probability of each token of `continuation` after `prompt`, in one forward pass."""
+        import torch
+
+        head = self.encode(prompt)
+        ids = self.encode(prompt + continuation)
+        start = 0
+        while start < min(len(head), len(ids)) and head[start] == ids[start]:
+            start += 1  # the boundary token may merge across prompt and continuation
+        if start == 0 or start >= len(ids):
+            raise ValueError("continuation_logprobs needs a non-empty prompt and continuation")
+        with self._lock, torch.inference_mode():
+            session, cached = self.prefix_pool.acquire(ids[:start])
+            cached_len = cached
+            logits = self.engine.forward(session, ids[cached_len:])
+            self.prefix_pool.release(session, ids)
+        # row i of `logits` predicts ids[cached_len + i + 1]
+        rows = logits[start - 1 - cached_len : len(ids) - 1 - cached_len].float()
+        targets = torch.tensor(ids[start:], dtype=torch.long)
+        return torch.log_softmax(rows, dim=-1).gather(1, targets[:, None])[:, 0].tolist()
+
     def encode(self, text: str) -> list[int]:
         """Token ids of raw prompt text; a BOS token is added only where the tokenizer wants one."""
         ids = list(self.tokenizer.encode(text, add_special_tokens=False))
