@@ -217,3 +217,25 @@ def test_likelihood_prm_scores_and_plugs_into_specreason() -> None:
     assert result.steps[1].discarded == "a bad step.\n\n"
     with pytest.raises(ValueError, match="threshold"):
         LikelihoodPRM(large, threshold=10)
+
+
+def test_router_train_command(tmp_path) -> None:
+    from click.testing import CliRunner
+
+    from thinkahead.cli import main
+    from thinkahead.verifiers.router import PairedStep, RouterFeatures, write_pairs
+
+    pairs = []
+    for i in range(12):
+        weak = i % 3 == 0  # the small model is unsure on these steps and writes a worse one
+        features = RouterFeatures(step_index=i % 4, prev_score=7.0, small_entropy=3.0 if weak else 0.2,
+                                  prev_step_tokens=20, prev_had_reflection=False, problem_tokens=40)
+        pairs.append(PairedStep("p", i, features, "s", "l", 2.0 if weak else 8.0, 9.0))
+    write_pairs(tmp_path / "pairs.jsonl", pairs)
+    out = CliRunner().invoke(main, ["router", "train", str(tmp_path / "pairs.jsonl"), "-o", str(tmp_path / "r.json")])
+    assert out.exit_code == 0, out.output
+    assert '"positives": 4' in out.output and (tmp_path / "r.json").exists()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{not json\n")
+    out = CliRunner().invoke(main, ["router", "train", str(bad), "-o", str(tmp_path / "x.json")])
+    assert out.exit_code != 0 and "bad.jsonl:1" in out.output

@@ -155,3 +155,21 @@ def test_bad_input_names_the_problem() -> None:
     cache.stop_request("a")
     with pytest.raises(ValueError, match="not active"):
         cache.stop_request("a")
+
+
+def test_clear_forgets_outputs_but_not_while_requests_are_live() -> None:
+    from thinkahead.token_spec.suffix_cache import SuffixCache
+
+    cache = SuffixCache()
+    cache.start_request("a", [1, 2, 3])
+    cache.extend("a", [4, 5, 6, 7])
+    with pytest.raises(ValueError, match="live"):
+        cache.clear()
+    cache.stop_request("a")
+    cache.start_request("b", [9, 4, 5])
+    assert cache.speculate("b", [9, 4, 5], max_tokens=4, max_spec_factor=4).token_ids == [6, 7]
+    cache.stop_request("b")
+    cache.clear()
+    assert cache.cached_requests == []
+    cache.start_request("c", [9, 4, 5])
+    assert cache.speculate("c", [9, 4, 5], max_tokens=4, max_spec_factor=4).token_ids == []

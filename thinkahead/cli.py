@@ -115,6 +115,11 @@ from thinkahead.generate import generate  # noqa: E402  (a command module; heavy
 
 main.add_command(generate)
 
+from thinkahead.reason_cli import reason, router  # noqa: E402
+
+main.add_command(reason)
+main.add_command(router)
+
 
 if __name__ == "__main__":  # pragma: no cover
     main()

@@ -68,6 +68,13 @@ class SuffixCache:
         self._cached: OrderedDict[Hashable, int] = OrderedDict()  # rid -> seq id, oldest first
         self._next_seq_id = 0
 
+    def clear(self) -> None:
+        """Forget every cached output (a cold cache), e.g. between benchmark runs that must not share."""
+        if self._requests:
+            raise ValueError(f"cannot clear the suffix cache while requests are live: {list(self._requests)[:5]}")
+        self.global_tree = SuffixTree(self.max_depth)
+        self._cached.clear()
+
     # --------------------------------------------------------------- lifecycle
     @property
     def active_requests(self) -> list[Hashable]:
