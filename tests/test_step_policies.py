@@ -239,3 +239,14 @@ def test_router_train_command(tmp_path) -> None:
     bad.write_text("{not json\n")
     out = CliRunner().invoke(main, ["router", "train", str(bad), "-o", str(tmp_path / "x.json")])
     assert out.exit_code != 0 and "bad.jsonl:1" in out.output
+
+
+def test_reason_command_rejects_bad_options_before_loading_models() -> None:
+    from click.testing import CliRunner
+
+    from thinkahead.cli import main
+
+    out = CliRunner().invoke(main, ["reason", "What is 2+2?", "--policy", "collect"])
+    assert out.exit_code == 2 and "--pairs" in out.output
+    out = CliRunner().invoke(main, ["reason", "What is 2+2?", "--max-steps", "0"])
+    assert out.exit_code == 2 and "max_steps" in out.output
