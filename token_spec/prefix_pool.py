@@ -13,6 +13,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from thinkahead.token_spec.drafters import common_prefix_len
+
 
 @dataclass(slots=True)
 class _Entry:
@@ -43,7 +45,7 @@ class KVPrefixPool:
         with self._lock:
             best, best_len = None, 0
             for entry in self._entries:
-                n = _common_prefix(entry.tokens, prompt, limit)
+                n = common_prefix_len(entry.tokens, prompt, limit)
                 if n > best_len:
                     best, best_len = entry, n
             if best is None:
@@ -68,10 +70,3 @@ class KVPrefixPool:
         with self._lock:
             self._entries.clear()
 
-
-def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
-    n = min(len(a), len(b), limit)
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i

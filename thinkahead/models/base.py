@@ -12,8 +12,6 @@ import abc
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-FINISH_REASONS = ("stop", "length")
-
 
 @dataclass(slots=True)
 class GenerationRequest:

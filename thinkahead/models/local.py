@@ -12,10 +12,10 @@ from __future__ import annotations
 import asyncio
 import math
 import threading
-import time
 from typing import Any
 
 from thinkahead.models.base import Completion, GenerationRequest, LanguageModel, prompt_text, render_chat
+from thinkahead.token_spec.drafters import common_prefix_len
 
 # Chat-turn end markers of the supported families, used as stop tokens next to the eos token.
 TURN_END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<end_of_turn>", "<|eot_id|>", "<|end|>")
@@ -154,20 +154,16 @@ class LocalModel(LanguageModel):
         """Log-probability of each token of `continuation` after `prompt`, in one forward pass."""
         import torch
 
-        head = self.encode(prompt)
         ids = self.encode(prompt + continuation)
-        start = 0
-        while start < min(len(head), len(ids)) and head[start] == ids[start]:
-            start += 1  # the boundary token may merge across prompt and continuation
+        start = common_prefix_len(self.encode(prompt), ids)  # the boundary token may merge across the two
         if start == 0 or start >= len(ids):
             raise ValueError("continuation_logprobs needs a non-empty prompt and continuation")
         with self._lock, torch.inference_mode():
             session, cached = self.prefix_pool.acquire(ids[:start])
-            cached_len = cached
-            logits = self.engine.forward(session, ids[cached_len:])
+            logits = self.engine.forward(session, ids[cached:])
             self.prefix_pool.release(session, ids)
-        # row i of `logits` predicts ids[cached_len + i + 1]
-        rows = logits[start - 1 - cached_len : len(ids) - 1 - cached_len].float()
+        # row i of `logits` predicts ids[cached + i + 1]
+        rows = logits[start - 1 - cached : len(ids) - 1 - cached].float()
         targets = torch.tensor(ids[start:], dtype=torch.long)
         return torch.log_softmax(rows, dim=-1).gather(1, targets[:, None])[:, 0].tolist()
 
@@ -186,8 +182,3 @@ class LocalModel(LanguageModel):
         stops.update(vocab[t] for t in TURN_END_TOKENS if t in vocab)
         return sorted(stops)
 
-    def warm_time(self) -> float:
-        """Seconds of one tiny generation (loads kernels); benchmarks call it before timing."""
-        t = time.perf_counter()
-        self.generate_sync(GenerationRequest(prompt="Hello", max_new_tokens=2, speculative=False))
-        return time.perf_counter() - t
