@@ -68,8 +68,13 @@ class StepLoop:
         budget: StepBudget | None = None,
         system: str | None = None,
         speculative: bool = True,
+        temperature: float = 0.0,
+        seed: int | None = None,
     ) -> None:
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
         self.small, self.large, self.policy = small, large, policy
+        self.temperature, self.seed = temperature, seed
         self.segment = segment or SegmentConfig()
         self.budget = budget or StepBudget()
         self.system = system
@@ -89,7 +94,8 @@ class StepLoop:
         if not isinstance(problem, str) or not problem.strip():
             raise ValueError("problem must be a non-empty string")
         t0 = time.perf_counter()
-        ctx = StepContext(problem, self.small, self.large, self.segment, self.system, speculative=self.speculative)
+        ctx = StepContext(problem, self.small, self.large, self.segment, self.system, speculative=self.speculative,
+                          temperature=self.temperature, seed=self.seed)
         stop = None
         while stop is None:
             stop = self._budget_stop(ctx)

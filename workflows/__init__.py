@@ -1,1 +1,29 @@
-"""Built-in workflows (cot, react, refine, vote, pipeline); arrives with the orchestrator issue."""
+"""Built-in workflows: each is a `StepGraph` builder with defaults that users can copy and change."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from thinkahead.orchestrator.graph import StepGraph
+from thinkahead.workflows.cot import cot
+from thinkahead.workflows.pipeline import pipeline
+from thinkahead.workflows.react import react
+from thinkahead.workflows.refine import refine
+from thinkahead.workflows.vote import vote
+
+WORKFLOWS: dict[str, Callable[..., StepGraph]] = {
+    "cot": cot, "react": react, "refine": refine, "vote": vote, "pipeline": pipeline,
+}
+
+__all__ = ["WORKFLOWS", "build_workflow", "cot", "pipeline", "react", "refine", "vote"]
+
+
+def build_workflow(name: str, **options: Any) -> StepGraph:
+    """The built-in workflow `name` with `options` passed to its builder."""
+    if name not in WORKFLOWS:
+        raise ValueError(f"unknown workflow {name!r}; built-in workflows: {', '.join(WORKFLOWS)}")
+    try:
+        return WORKFLOWS[name](**options)
+    except TypeError as exc:
+        raise ValueError(f"bad options for workflow {name!r}: {exc}") from exc

@@ -14,7 +14,7 @@ Scorer = Callable[[str], dict[str, float]]
 
 @dataclass(slots=True)
 class Call:
-    kind: str  # "generate" or "logprobs"
+    kind: str  # "generate", "logprobs" or "failed" (a scripted failure was raised)
     prompt: str
     request: GenerationRequest | None = None
     output: str | dict[str, float] = ""
@@ -26,7 +26,8 @@ class ScriptedModel(LanguageModel):
 
     Stop strings behave as on a real server: the output ends before the first stop string, and
     `matched_stop` names it. `logprobs` scripts `next_token_logprobs` the same way (a list of dicts,
-    or a function of the prompt). `delay_s` simulates latency so async overlap can be tested.
+    or a function of the prompt). `delay_s` simulates latency so async overlap can be tested;
+    `failures` are raised by the next generate calls, one each, to test retries.
     """
 
     outputs: Sequence[str] | Responder = ("",)
@@ -34,11 +35,15 @@ class ScriptedModel(LanguageModel):
     name: str = "scripted"
     delay_s: float = 0.0
     calls: list[Call] = field(default_factory=list)
+    failures: list[Exception] = field(default_factory=list)
     _gen_i: int = 0
     _lp_i: int = 0
 
     async def generate(self, request: GenerationRequest) -> Completion:
         prompt = prompt_text(self, request)
+        if self.failures:
+            self.calls.append(Call("failed", prompt, request))
+            raise self.failures.pop(0)
         if callable(self.outputs):
             raw = self.outputs(prompt, request)
         else:

@@ -1,0 +1,94 @@
+"""The JSONL result store: durable appends, torn lines, latest-wins, and a killed batch that resumes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from thinkahead.orchestrator.store import ResultStore
+from thinkahead.orchestrator.trace import RunResult
+
+BATCH_SCRIPT = r"""
+import asyncio, sys
+from thinkahead.models import ScriptedModel
+from thinkahead.orchestrator import END, START, ResultStore, Runtime, StepGraph
+from thinkahead.step_spec.policies import make_policy
+
+async def slow_upper(state):
+    await asyncio.sleep(float(sys.argv[2]))
+    return state["question"].upper()
+
+g = StepGraph(inputs=["question"])
+g.add_tool("upper", slow_upper)
+g.add_sequence(START, "upper", END)
+rt = Runtime(ScriptedModel(), ScriptedModel(), make_policy("large"), concurrency=2)
+with ResultStore(sys.argv[1]) as store:
+    asyncio.run(rt.map(g, [(f"id{i}", f"task {i}") for i in range(10)], store=store))
+"""
+
+
+def run_record(rid: str, status: str = "ok", answer: str = "a") -> RunResult:
+    return RunResult(id=rid, workflow="w", status=status, answer=answer)
+
+
+def test_append_then_read_back(tmp_path):
+    path = tmp_path / "runs.jsonl"
+    with ResultStore(path) as store:
+        store.append(run_record("1"))
+        store.append(run_record("2", status="error"))
+        store.append(run_record("2", answer="b"))  # a retry that succeeded supersedes the error
+        store.append(run_record("3", status="error"))
+    store = ResultStore(path)
+    assert [r.id for r in store] == ["1", "2", "2", "3"]
+    assert store.latest()["2"].answer == "b"
+    assert store.done_ids() == {"1", "2"}  # errors run again on resume
+
+
+def test_a_torn_last_line_is_cut_off(tmp_path):
+    path = tmp_path / "runs.jsonl"
+    good = json.dumps(run_record("1").to_dict())
+    path.write_text(good + "\n" + '{"id": "2", "workflow": "w", "sta')
+    store = ResultStore(path)
+    assert store.torn_bytes == len('{"id": "2", "workflow": "w", "sta')
+    assert path.read_text() == good + "\n"
+    store.append(run_record("2"))
+    assert [r.id for r in ResultStore(path)] == ["1", "2"]
+
+
+def test_a_corrupt_line_is_reported_with_its_number(tmp_path):
+    path = tmp_path / "runs.jsonl"
+    path.write_text(json.dumps(run_record("1").to_dict()) + "\nnot json\n")
+    with pytest.raises(ValueError, match=r"runs.jsonl:2: not a run record"):
+        ResultStore(path).done_ids()
+
+
+def test_a_directory_is_not_a_store(tmp_path):
+    with pytest.raises(ValueError, match="is a directory"):
+        ResultStore(tmp_path)
+
+
+def test_a_killed_batch_resumes_without_losing_or_duplicating_results(tmp_path):
+    path = tmp_path / "runs.jsonl"
+    cmd = [sys.executable, "-c", BATCH_SCRIPT, str(path)]
+    proc = subprocess.Popen([*cmd, "0.3"])
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        if path.exists() and path.read_text().count("\n") >= 3:
+            break
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    before = [r.id for r in ResultStore(path)]
+    assert 3 <= len(before) < 10, "the kill should land mid-batch"
+    subprocess.run([*cmd, "0.0"], check=True, timeout=120)
+    records = list(ResultStore(path))
+    ids = [r.id for r in records]
+    assert sorted(ids) == sorted(f"id{i}" for i in range(10))  # every run exactly once
+    assert ids[: len(before)] == before  # finished results kept as they were
+    assert all(r.status == "ok" and r.answer == f"TASK {r.id[2:]}" for r in records)

@@ -1,0 +1,112 @@
+"""The built-in workflows end to end on scripted models: real prompts, real answers, real loops."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from thinkahead.models import ScriptedModel
+from thinkahead.orchestrator import GraphError, Runtime
+from thinkahead.step_spec.policies import make_policy
+from thinkahead.workflows import build_workflow, cot, pipeline, react, refine, vote
+from thinkahead.workflows.react import parse_turn
+from thinkahead.workflows.tools import calculator
+from thinkahead.workflows.vote import majority
+
+JUDGE_YES = [{"9": -0.05}]
+
+
+def run(graph, question, small=None, large=None, policy="specreason"):
+    small = small or ScriptedModel(outputs=["unused"])
+    large = large or ScriptedModel(outputs=["unused"], logprobs=JUDGE_YES)
+    rt = Runtime(small, large, make_policy(policy))
+    return asyncio.run(rt.run(graph, {"question": question}))
+
+
+def test_cot_keeps_accepted_small_steps_and_returns_the_boxed_answer():
+    small = ScriptedModel(outputs=["17 * 23 = 17 * 20 + 17 * 3 = 340 + 51.\n\n", "So the answer is \\boxed{391}."])
+    result = run(cot(), "What is 17 * 23?", small=small)
+    assert result.ok and result.answer == "391"
+    assert [s["data"]["author"] for s in result.steps()] == ["small", "small"]
+    assert "340 + 51" in result.outputs["answer_reasoning"]
+
+
+def test_calculator_is_safe_and_exact():
+    assert calculator("17*23") == "391"
+    assert calculator("1,000 / 8") == "125"
+    assert calculator("2^10") == "1024"
+    assert calculator("sqrt(16) + 1") == "5"
+    assert calculator("__import__('os').system('x')").startswith("error:")
+    assert calculator("1/0").startswith("error:")
+
+
+def test_parse_turn():
+    assert parse_turn("Thought: go\nAction: calculator[3 * (4 + 5)]") == ("calculator", "3 * (4 + 5)")
+    assert parse_turn("Thought: done\nFinal Answer: 27") == "27"
+    assert parse_turn("Thought: hmm") is None
+
+
+def test_react_calls_the_tool_and_feeds_the_observation_back():
+    large = ScriptedModel(outputs=[" I need the product.\nAction: calculator[17*23]\n",
+                                   " The tool says 391.\nFinal Answer: 391"])
+    result = run(react(), "What is 17 * 23?", large=large)
+    assert result.ok and result.answer == "391"
+    second_prompt = large.generated_prompts()[1]
+    assert "Action: calculator[17*23]\nObservation: 391\nThought:" in second_prompt
+    assert large.calls[0].request.stop == ["Observation:"]
+    assert result.outputs["observe"]["calls"] == 1
+
+
+def test_react_reports_unknown_tools_and_is_bounded():
+    large = ScriptedModel(outputs=[" try\nAction: search[weather]"])
+    result = run(react(max_turns=3), "q", large=large)
+    assert result.ok and result.answer is None  # never answered: bounded at 3 turns
+    assert len(large.calls) == 3
+    assert "Observation: error: unknown tool 'search'; tools: calculator" in large.generated_prompts()[1]
+
+
+def test_refine_rewrites_until_the_critique_finds_nothing():
+    solver = ScriptedModel(outputs=["17 * 23 = 381, so \\boxed{381}", "17 * 23 = 391, so \\boxed{391}"])
+    critic = ScriptedModel(outputs=["The product is wrong: 17 * 3 = 51, not 41.", "NO ERRORS"])
+    result = run(refine(rounds=4), "What is 17 * 23?", small=critic, large=solver)
+    assert result.ok and result.answer == "391"
+    assert result.outputs["rounds_iterations"] == 1  # stopped early: the second critique found nothing
+    rewrite_prompt = solver.generated_prompts()[1]
+    assert "17 * 23 = 381" in rewrite_prompt and "not 41" in rewrite_prompt
+    assert len(solver.calls) == 2 and len(critic.calls) == 2
+
+
+def test_vote_takes_the_majority_of_sampled_chains():
+    def by_seed(prompt, request):
+        return {0: "\\boxed{391}", 1: "\\boxed{381}", 2: "\\boxed{391}"}[request.seed]
+
+    small = ScriptedModel(outputs=by_seed)
+    result = run(vote(n=3), "What is 17 * 23?", small=small)
+    assert result.ok and result.answer == "391"
+    assert sorted((c.request.seed, c.request.temperature) for c in small.calls) == [(0, 0.7), (1, 0.7), (2, 0.7)]
+    assert majority(["12", " 12", "13", None]) == "12"
+    assert majority([]) is None
+
+
+def test_vote_first_returns_the_first_finished_chain():
+    result = run(vote(n=2, mode="first"), "q", small=ScriptedModel(outputs=["\\boxed{5}"]))
+    assert result.ok and result.answer == "5"
+    with pytest.raises(GraphError, match="vote mode must be one of"):
+        vote(mode="best")
+
+
+def test_pipeline_checker_overrides_a_wrong_solution():
+    large = ScriptedModel(outputs=["1. multiply", "VERDICT: wrong. The answer is \\boxed{391}."], logprobs=JUDGE_YES)
+    small = ScriptedModel(outputs=["17 * 23 = 381, so \\boxed{381}"])
+    result = run(pipeline(), "What is 17 * 23?", small=small, large=large)
+    assert result.ok and result.answer == "391"
+    assert result.outputs["solution"] == "381"
+    assert "Follow this plan:\n1. multiply" in small.generated_prompts()[0]
+
+
+def test_build_workflow_errors_name_the_problem():
+    with pytest.raises(ValueError, match="unknown workflow 'tot'"):
+        build_workflow("tot")
+    with pytest.raises(ValueError, match="bad options for workflow 'cot'"):
+        build_workflow("cot", rounds=3)

@@ -1,0 +1,133 @@
+"""User configuration of an `Orchestrator`, as pydantic models (`extra="forbid"`: typos are errors).
+
+Loadable from YAML, TOML or JSON:
+
+```yaml
+small: qwen2.5-coder-0.5b
+large: {spec: qwen2.5-coder-1.5b, dtype: int8}
+policy: {name: specreason, threshold: 7}
+workflow: cot
+concurrency: 2
+budget: {max_tokens: 4096}
+```
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, ValidationError, field_validator
+
+from thinkahead.orchestrator.budget import RetryPolicy, RunBudget
+from thinkahead.step_spec.loop import StepBudget
+from thinkahead.step_spec.policies import POLICY_NAMES
+from thinkahead.step_spec.segment import SegmentConfig
+
+
+class ModelConfig(BaseModel, extra="forbid"):
+    """A model: its spec (see `load_model`) and backend options."""
+
+    spec: str
+    dtype: str = "int8"
+    drafter: str = "suffix"
+    max_draft: int = Field(default=16, gt=0)
+
+    def options(self) -> dict[str, Any]:
+        return {"dtype": self.dtype, "drafter": self.drafter, "max_draft": self.max_draft}
+
+
+class PolicyConfig(BaseModel, extra="forbid"):
+    """The step policy of `think` nodes and its settings."""
+
+    name: Literal["large", "small", "specreason", "arbitrage", "reflect"] = "specreason"
+    threshold: float = Field(default=7.0, ge=0, le=9)
+    score_mode: Literal["greedy", "expected"] = "greedy"
+    first_large_steps: int = Field(default=0, ge=0)
+    lookahead: bool = False
+    router: str = "heuristic"
+
+    def build(self):
+        from thinkahead.step_spec.policies import make_policy
+
+        if self.name == "specreason":
+            return make_policy(self.name, threshold=self.threshold, score_mode=self.score_mode,
+                               first_large_steps=self.first_large_steps, lookahead=self.lookahead)
+        if self.name == "arbitrage":
+            return make_policy(self.name, router=self.router)
+        return make_policy(self.name)
+
+
+class OrchestratorConfig(BaseModel, extra="forbid"):
+    """Everything an `Orchestrator` needs; each field has a working default."""
+
+    small: ModelConfig = ModelConfig(spec="qwen2.5-coder-0.5b")
+    large: ModelConfig = ModelConfig(spec="qwen2.5-coder-1.5b")
+    policy: PolicyConfig = PolicyConfig()
+    workflow: str = "cot"
+    workflow_options: dict[str, Any] = Field(default_factory=dict)
+    segment: SegmentConfig = SegmentConfig(max_step_tokens=128)
+    steps: StepBudget = StepBudget(max_steps=16, max_tokens=1024)
+    budget: RunBudget = RunBudget()
+    batch_budget: RunBudget = RunBudget()
+    retry: RetryPolicy = RetryPolicy()
+    concurrency: int = Field(default=1, ge=1)
+    token_spec: bool = True
+
+    @field_validator("small", "large", mode="before")
+    @classmethod
+    def _model_from_string(cls, value: Any) -> Any:
+        return {"spec": value} if isinstance(value, str) else value
+
+    @field_validator("policy", mode="before")
+    @classmethod
+    def _policy_from_string(cls, value: Any) -> Any:
+        if isinstance(value, str) and value not in POLICY_NAMES:
+            raise ValueError(f"unknown policy {value!r}; choose one of {', '.join(POLICY_NAMES)}")
+        return {"name": value} if isinstance(value, str) else value
+
+    @field_validator("workflow")
+    @classmethod
+    def _known_workflow(cls, value: str) -> str:
+        from thinkahead.workflows import WORKFLOWS
+
+        if value not in WORKFLOWS:
+            raise ValueError(f"unknown workflow {value!r}; built-in workflows: {', '.join(WORKFLOWS)}")
+        return value
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str]) -> OrchestratorConfig:
+        """Read a .yaml/.yml, .toml or .json file; errors name the file and the field."""
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"config file {path} does not exist")
+        text = path.read_text(encoding="utf-8")
+        suffix = path.suffix.lower()
+        try:
+            if suffix in (".yaml", ".yml"):
+                import yaml
+
+                data = yaml.safe_load(text)
+            elif suffix == ".toml":
+                data = tomllib.loads(text)
+            elif suffix == ".json":
+                data = json.loads(text)
+            else:
+                raise ValueError(f"config file {path} must end in .yaml, .yml, .toml or .json")
+        except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"config file {path} is not valid {suffix[1:].upper()}: {exc}") from exc
+        except Exception as exc:
+            if type(exc).__module__.startswith("yaml"):
+                raise ValueError(f"config file {path} is not valid YAML: {exc}") from exc
+            raise
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise ValueError(f"config file {path} must hold a mapping at the top level")
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            raise ValueError(f"config file {path}: {exc}") from exc

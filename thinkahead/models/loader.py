@@ -1,0 +1,37 @@
+"""`load_model(spec)`: one way to name a model everywhere (SDK, CLI, config files, server).
+
+- a `LanguageModel` instance is used as it is;
+- `openai:MODEL@URL` is any OpenAI-compatible server (`openai:qwen@http://localhost:8000/v1`);
+- everything else is a local transformers model: a registry name, `hf:ORG/NAME`, `gguf:PATH`, a
+  model directory or a `.gguf` file (see `thinkahead.model_registry.resolve_model_spec`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from thinkahead.models.base import LanguageModel
+
+REMOTE_PREFIXES = ("openai:",)
+
+
+def load_model(spec: str | LanguageModel, **options: Any) -> LanguageModel:
+    """The model that `spec` names; `options` go to the backend's constructor (e.g. dtype=)."""
+    if isinstance(spec, LanguageModel):
+        return spec
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"model spec must be a non-empty string or a LanguageModel, got {spec!r}")
+    spec = spec.strip()
+    if spec.startswith("openai:"):
+        model, sep, url = spec[len("openai:"):].partition("@")
+        if not sep or not model or not url.startswith(("http://", "https://")):
+            raise ValueError(f"bad OpenAI model spec {spec!r}: expected openai:MODEL@http(s)://HOST[:PORT]/v1")
+        from thinkahead.models.openai import OpenAIModel
+
+        local_only = {"dtype", "drafter", "max_draft", "kv_sessions"}
+        return OpenAIModel(model, base_url=url, **{k: v for k, v in options.items() if k not in local_only})
+    from thinkahead.model_registry import resolve_model_spec
+    from thinkahead.models.local import LocalModel
+
+    resolve_model_spec(spec)  # a precise error for a bad spec before any weights load
+    return LocalModel(spec, **options)

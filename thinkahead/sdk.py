@@ -1,0 +1,186 @@
+"""The Python SDK: `Orchestrator` ties models, a step policy and workflows to the runtime.
+
+```python
+from thinkahead import Orchestrator
+
+orch = Orchestrator(small="qwen2.5-coder-0.5b", large="qwen2.5-coder-1.5b", policy="specreason")
+result = orch.run_sync("cot", "What is 17 * 23?")
+print(result.answer, result.cost["tokens"])
+```
+
+Models load on first use; a spec used for both tiers loads once. Any `LanguageModel` instance
+can stand in for a spec (an `OpenAIModel`, a `ScriptedModel` in tests).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from typing import Any
+
+from thinkahead.config import OrchestratorConfig
+from thinkahead.models.base import LanguageModel
+from thinkahead.orchestrator.graph import CompiledGraph, StepGraph
+from thinkahead.orchestrator.runtime import Runtime
+from thinkahead.orchestrator.store import ResultStore
+from thinkahead.orchestrator.trace import RunResult, TraceEvent
+
+Workflow = str | StepGraph | CompiledGraph | None
+
+
+class Orchestrator:
+    """Runs workflows with a small and a large model under a step policy."""
+
+    def __init__(
+        self,
+        small: str | LanguageModel | None = None,
+        large: str | LanguageModel | None = None,
+        policy: Any = None,
+        *,
+        config: OrchestratorConfig | Mapping[str, Any] | str | os.PathLike[str] | None = None,
+        **settings: Any,
+    ) -> None:
+        if isinstance(config, (str, os.PathLike)):
+            config = OrchestratorConfig.from_file(config)
+        base = config.model_dump() if isinstance(config, OrchestratorConfig) else dict(config or {})
+        self._instances: dict[str, LanguageModel] = {}
+        for tier, value in (("small", small), ("large", large)):
+            if isinstance(value, LanguageModel):
+                self._instances[tier] = value
+            elif value is not None:
+                base[tier] = value
+        self._policy = None
+        if policy is not None and hasattr(policy, "next_step"):
+            self._policy = policy  # a StepPolicy object
+        elif policy is not None:
+            base["policy"] = policy
+        base.update(settings)
+        self.config = OrchestratorConfig.model_validate(base)
+        self._runtime: Runtime | None = None
+        self._graphs: dict[tuple[str, tuple], CompiledGraph] = {}
+
+    @classmethod
+    def from_config(cls, path: str | os.PathLike[str], **settings: Any) -> Orchestrator:
+        """An orchestrator from a YAML/TOML/JSON file; `settings` override fields of the file."""
+        return cls(config=OrchestratorConfig.from_file(path), **settings)
+
+    # ------------------------------------------------------------------ parts
+
+    @property
+    def runtime(self) -> Runtime:
+        """The runtime, built (and the models loaded) on first use."""
+        if self._runtime is None:
+            c = self.config
+            small, large = self._load_models()
+            self._runtime = Runtime(
+                small, large, self._policy or c.policy.build(), segment=c.segment, step_budget=c.steps,
+                budget=c.budget, batch_budget=c.batch_budget, concurrency=c.concurrency, retry=c.retry,
+                speculative=c.token_spec,
+            )
+        return self._runtime
+
+    def _load_models(self) -> tuple[LanguageModel, LanguageModel]:
+        from thinkahead.models.loader import load_model
+
+        loaded: dict[tuple, LanguageModel] = {}
+        out = []
+        for tier in ("small", "large"):
+            if tier in self._instances:
+                out.append(self._instances[tier])
+                continue
+            cfg = getattr(self.config, tier)
+            key = (cfg.spec, tuple(sorted(cfg.options().items())))
+            if key not in loaded:
+                loaded[key] = load_model(cfg.spec, **cfg.options())
+            out.append(loaded[key])
+        return out[0], out[1]
+
+    @property
+    def small(self) -> LanguageModel:
+        return self.runtime.models["small"]
+
+    @property
+    def large(self) -> LanguageModel:
+        return self.runtime.models["large"]
+
+    def workflow(self, workflow: Workflow = None, **options: Any) -> CompiledGraph:
+        """A compiled workflow: a built-in name (default: the config's) or your own graph."""
+        if isinstance(workflow, CompiledGraph):
+            return workflow
+        if isinstance(workflow, StepGraph):
+            return workflow.compile()
+        from thinkahead.workflows import build_workflow
+
+        name = workflow or self.config.workflow
+        if not options and name == self.config.workflow:
+            options = dict(self.config.workflow_options)
+        key = (name, tuple(sorted((k, repr(v)) for k, v in options.items())))
+        if key not in self._graphs:
+            self._graphs[key] = build_workflow(name, **options).compile()
+        return self._graphs[key]
+
+    # ------------------------------------------------------------------ running
+
+    async def run(self, workflow: Workflow, input: Mapping[str, Any] | str, *, id: str | None = None) -> RunResult:
+        """Run one workflow on one input (a string, or a dict of the workflow's inputs)."""
+        return await self.runtime.run(self.workflow(workflow), input, run_id=id)
+
+    def run_sync(self, workflow: Workflow, input: Mapping[str, Any] | str, *, id: str | None = None) -> RunResult:
+        """`run` for code without an event loop."""
+        return asyncio.run(self.run(workflow, input, id=id))
+
+    async def map(
+        self,
+        batch: Iterable[Any],
+        workflow: Workflow = None,
+        *,
+        store: str | os.PathLike[str] | ResultStore | None = None,
+        on_result: Callable[[RunResult], None] | None = None,
+    ) -> list[RunResult]:
+        """Run a batch: items are inputs (ids are their positions) or `(id, input)` pairs.
+
+        With `store`, each result is appended to that JSONL file as it finishes and runs already
+        there are skipped, so a killed batch resumes where it stopped.
+        """
+        items = []
+        for i, item in enumerate(batch):
+            items.append(item if isinstance(item, tuple) else (str(i), item))
+        owned = store is not None and not isinstance(store, ResultStore)
+        result_store = ResultStore(store) if owned else store
+        try:
+            return await self.runtime.map(self.workflow(workflow), items, store=result_store, on_result=on_result)
+        finally:
+            if owned:
+                result_store.close()
+
+    def map_sync(self, batch: Iterable[Any], workflow: Workflow = None, **kwargs: Any) -> list[RunResult]:
+        return asyncio.run(self.map(batch, workflow, **kwargs))
+
+    async def stream(self, workflow: Workflow, input: Mapping[str, Any] | str, *,
+                     id: str | None = None) -> AsyncIterator[TraceEvent | RunResult]:
+        """Each trace event (node starts and ends, every reasoning step) as it happens, then the result."""
+        async for item in self.runtime.stream(self.workflow(workflow), input, run_id=id):
+            yield item
+
+    def as_tool(self, workflow: Workflow = None, input_key: str = "question") -> Callable[[dict], Any]:
+        """This orchestrator as a tool node of another graph: reads `input_key`, returns the answer.
+
+        A failed inner run raises, so the outer node fails with the inner error in its trace.
+        """
+        async def tool(state: dict) -> Any:
+            result = await self.run(workflow, state[input_key])
+            if not result.ok:
+                raise RuntimeError(f"inner workflow {result.workflow!r} ended {result.status}: {result.error}")
+            return result.answer
+
+        return tool
+
+    async def aclose(self) -> None:
+        """Release the models' connections and memory."""
+        if self._runtime is not None:
+            seen = set()
+            for model in self._runtime.models.values():
+                if id(model) not in seen:
+                    seen.add(id(model))
+                    await model.aclose()

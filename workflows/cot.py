@@ -1,0 +1,13 @@
+"""`cot`: one long reasoning chain through the step policy, then the final answer."""
+
+from __future__ import annotations
+
+from thinkahead.orchestrator.graph import END, START, StepGraph
+
+
+def cot(*, system: str | None = None, max_steps: int | None = None, max_tokens: int | None = None) -> StepGraph:
+    """question -> think (small drafts, large judges) -> answer."""
+    g = StepGraph("cot", inputs=["question"], output="answer")
+    g.add_think("answer", "{question}", system=system, max_steps=max_steps, max_tokens=max_tokens)
+    g.add_sequence(START, "answer", END)
+    return g

@@ -1,0 +1,89 @@
+"""`react`: an agent loop (thought, tool call, observation) with Python tools, bounded.
+
+The model continues a transcript in the ReAct format; generation stops before "Observation:",
+the named tool runs on the argument, and its result is appended. The loop ends at
+"Final Answer:" or after `max_turns` tool calls.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+from thinkahead.orchestrator.graph import END, START, GraphError, StepGraph
+from thinkahead.workflows.tools import DEFAULT_TOOLS
+
+INSTRUCTIONS = (
+    "Answer the question. You can call tools. Use exactly this format:\n"
+    "Thought: what to do next\nAction: tool_name[input]\nObservation: the tool's result\n"
+    "... (Thought/Action/Observation can repeat)\nThought: I know the answer\nFinal Answer: the answer\n\n"
+    "Tools:\n{tools}\n\nQuestion: {question}"
+)
+_ACTION = re.compile(r"Action:\s*([A-Za-z_][\w-]*)\s*\[(.*)\]", re.DOTALL)
+_FINAL = re.compile(r"Final Answer:\s*(.*)", re.DOTALL)
+
+
+def parse_turn(text: str) -> tuple[str, str] | str | None:
+    """("tool", "argument") for an action, the answer text for a final answer, None for neither."""
+    final = _FINAL.search(text)
+    action = None
+    for action in _ACTION.finditer(text):
+        pass
+    if final and (action is None or final.start() > action.start()):
+        return final.group(1).strip()
+    if action is not None:
+        return action.group(1), action.group(2).strip()
+    return None
+
+
+def react(*, tools: dict[str, Callable[[str], str]] | None = None, max_turns: int = 6, tier: str = "large",
+          max_tokens: int = 160) -> StepGraph:
+    """question -> (act -> observe) until a final answer, at most `max_turns` times -> answer."""
+    tools = dict(DEFAULT_TOOLS if tools is None else tools)
+    if not tools:
+        raise GraphError("react needs at least one tool")
+    for name, fn in tools.items():
+        if not re.fullmatch(r"[A-Za-z_][\w-]*", name) or not callable(fn):
+            raise GraphError(f"tool {name!r} must have a word name and be callable")
+    listing = "\n".join(f"- {name}: {(fn.__doc__ or '').strip().splitlines()[0] if fn.__doc__ else name}"
+                        for name, fn in tools.items())
+
+    def act_prompt(state: dict) -> list[dict[str, str]]:
+        user = INSTRUCTIONS.format(tools=listing, question=state["question"])
+        transcript = (state.get("observe") or {}).get("transcript", "")
+        return [{"role": "user", "content": user}, {"role": "assistant", "content": transcript + "Thought:"}]
+
+    def observe(state: dict) -> dict:
+        previous = state.get("observe") or {"transcript": "", "final": None, "calls": 0}
+        text = "Thought:" + state["act"] if not state["act"].lstrip().startswith("Thought:") else state["act"]
+        parsed = parse_turn(text)
+        transcript = previous["transcript"] + text.rstrip() + "\n"
+        if isinstance(parsed, str):
+            return {"transcript": transcript, "final": parsed, "calls": previous["calls"]}
+        if parsed is None:
+            observation = "error: no action; write Action: tool_name[input] or Final Answer: ..."
+        elif parsed[0] not in tools:
+            observation = f"error: unknown tool {parsed[0]!r}; tools: {', '.join(tools)}"
+        else:
+            try:
+                observation = str(tools[parsed[0]](parsed[1]))
+            except Exception as exc:  # noqa: BLE001 - a tool failure is an observation for the agent
+                observation = f"error: {type(exc).__name__}: {exc}"
+        transcript += f"Observation: {observation}\n"
+        return {"transcript": transcript, "final": None, "calls": previous["calls"] + 1}
+
+    def answer(state: dict) -> str | None:
+        final = (state.get("observe") or {}).get("final")
+        return final if final is not None else None
+
+    g = StepGraph("react", inputs=["question"], output="answer")
+    g.add_loop("turns", max_iters=max_turns, condition=lambda s: (s.get("observe") or {}).get("final") is None)
+    g.add_generate("act", act_prompt, tier=tier, inputs=["question"], max_tokens=max_tokens, stop=["Observation:"])
+    g.add_tool("observe", observe, inputs=["act"])
+    g.add_tool("answer", answer, inputs=[])
+    g.add_edge(START, "turns")
+    g.add_edge("turns", "act", "body")
+    g.add_sequence("act", "observe", "turns")
+    g.add_edge("turns", "answer", "exit")
+    g.add_edge("answer", END)
+    return g

@@ -1,0 +1,41 @@
+"""`vote`: N reasoning chains in parallel; majority vote (self-consistency) or first to finish."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from thinkahead.orchestrator.graph import END, START, GraphError, StepGraph
+from thinkahead.verifiers.checkers import normalize_math
+
+VOTE_MODES = ("majority", "first")
+
+
+def majority(answers: list) -> str | None:
+    """The most common answer (math-normalized); ties go to the answer seen first."""
+    votes = [a for a in answers if isinstance(a, str) and a.strip()]
+    if not votes:
+        return None
+    keys = [normalize_math(a) for a in votes]
+    counts = Counter(keys)
+    best = max(counts.values())
+    return next(a for a, k in zip(votes, keys) if counts[k] == best)
+
+
+def vote(*, n: int = 3, mode: str = "majority", temperature: float = 0.7, max_steps: int | None = None,
+         max_tokens: int | None = None) -> StepGraph:
+    """question -> fork -> n sampled chains -> join (majority or first) -> answer."""
+    if mode not in VOTE_MODES:
+        raise GraphError(f"vote mode must be one of {VOTE_MODES}, got {mode!r}")
+    if n < 2:
+        raise GraphError(f"vote needs n >= 2 chains, got {n}")
+    g = StepGraph("vote", inputs=["question"], output="answer")
+    g.add_fork("fork")
+    g.add_join("answer", first=mode == "first", merge=None if mode == "first" else majority)
+    g.add_edge(START, "fork")
+    for i in range(n):
+        g.add_think(f"chain_{i}", "{question}", temperature=temperature, seed=i, max_steps=max_steps,
+                    max_tokens=max_tokens)
+        g.add_edge("fork", f"chain_{i}")
+        g.add_edge(f"chain_{i}", "answer")
+    g.add_edge("answer", END)
+    return g
