@@ -287,11 +287,13 @@ class Runtime:
         store: ResultStore | None = None,
         on_result: Callable[[RunResult], None] | None = None,
         listeners: list[Listener] | None = None,
+        annotate: Callable[[RunResult], None] | None = None,
     ) -> list[RunResult]:
         """Run a batch of `(id, inputs[, meta])`; at most `concurrency` runs at once.
 
         Runs already finished in `store` are skipped; each new result is appended to it the
-        moment it finishes. A batch budget that runs out stops new runs from starting.
+        moment it finishes (after `annotate(result)`, e.g. grading against a reference, has
+        filled its `meta`). A batch budget that runs out stops new runs from starting.
         """
         compiled = graph.compile() if isinstance(graph, StepGraph) else graph
         self.batch_meter = Meter(self.batch_meter.budget, scope="batch")  # budgets count per batch
@@ -307,6 +309,8 @@ class Runtime:
                 except BudgetExceeded:
                     return
                 result = await self.run(compiled, inputs, run_id=run_id, listeners=listeners, meta=meta)
+                if annotate is not None:
+                    annotate(result)
                 cut_by_batch = result.status == "budget" and (result.error or "").startswith("batch")
                 if store is not None and not cut_by_batch:  # runs cut by the batch budget run again on resume
                     store.append(result)

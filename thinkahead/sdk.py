@@ -137,8 +137,10 @@ class Orchestrator:
         *,
         store: str | os.PathLike[str] | ResultStore | None = None,
         on_result: Callable[[RunResult], None] | None = None,
+        listeners: list[Callable[[TraceEvent], None]] | None = None,
+        annotate: Callable[[RunResult], None] | None = None,
     ) -> list[RunResult]:
-        """Run a batch: items are inputs (ids are their positions) or `(id, input)` pairs.
+        """Run a batch: items are inputs (ids are their positions) or `(id, input[, meta])` tuples.
 
         With `store`, each result is appended to that JSONL file as it finishes and runs already
         there are skipped, so a killed batch resumes where it stopped.
@@ -149,7 +151,8 @@ class Orchestrator:
         owned = store is not None and not isinstance(store, ResultStore)
         result_store = ResultStore(store) if owned else store
         try:
-            return await self.runtime.map(self.workflow(workflow), items, store=result_store, on_result=on_result)
+            return await self.runtime.map(self.workflow(workflow), items, store=result_store, on_result=on_result,
+                                          listeners=listeners, annotate=annotate)
         finally:
             if owned:
                 result_store.close()

@@ -1,0 +1,102 @@
+"""The SDK: `Orchestrator` from arguments or config files, batches with a store, nesting orchestrators."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from thinkahead import Orchestrator, OrchestratorConfig
+from thinkahead.models import ScriptedModel
+from thinkahead.models.loader import load_model
+from thinkahead.orchestrator import END, START, StepGraph
+
+JUDGE_YES = [{"9": -0.05}]
+
+
+def scripted_pair():
+    small = ScriptedModel(outputs=["Multiply.\n\n", "So \\boxed{391}."])
+    large = ScriptedModel(outputs=["\\boxed{391}"], logprobs=JUDGE_YES)
+    return small, large
+
+
+def test_config_files_in_yaml_toml_and_json(tmp_path):
+    yaml_file = tmp_path / "c.yaml"
+    yaml_file.write_text("small: m-small\nlarge: {spec: m-large, dtype: bfloat16}\npolicy: {name: specreason, threshold: 5}\n"
+                         "concurrency: 3\nbudget: {max_tokens: 900}\n")
+    toml_file = tmp_path / "c.toml"
+    toml_file.write_text('small = "m-small"\nworkflow = "refine"\n[policy]\nname = "reflect"\n')
+    json_file = tmp_path / "c.json"
+    json_file.write_text('{"policy": "large", "token_spec": false}')
+    y = OrchestratorConfig.from_file(yaml_file)
+    assert (y.small.spec, y.large.spec, y.large.dtype, y.policy.threshold, y.concurrency, y.budget.max_tokens) == (
+        "m-small", "m-large", "bfloat16", 5.0, 3, 900)
+    t = OrchestratorConfig.from_file(toml_file)
+    assert (t.workflow, t.policy.name) == ("refine", "reflect")
+    j = OrchestratorConfig.from_file(json_file)
+    assert (j.policy.name, j.token_spec) == ("large", False)
+
+
+def test_config_errors_name_the_file_and_field(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("policy: {name: specreason}\nconcurency: 2\n")
+    with pytest.raises(ValueError, match=r"(?s)bad.yaml.*concurency"):
+        OrchestratorConfig.from_file(bad)
+    with pytest.raises(ValueError, match="unknown workflow 'tot'"):
+        OrchestratorConfig(workflow="tot")
+    with pytest.raises(ValueError, match="unknown policy 'judge'"):
+        OrchestratorConfig(policy="judge")
+    broken = tmp_path / "broken.toml"
+    broken.write_text("policy = [")
+    with pytest.raises(ValueError, match="not valid TOML"):
+        OrchestratorConfig.from_file(broken)
+    with pytest.raises(ValueError, match=r"must end in \.yaml"):
+        (tmp_path / "c.ini").write_text("x")
+        OrchestratorConfig.from_file(tmp_path / "c.ini")
+
+
+def test_run_and_map_with_a_store_that_resumes(tmp_path):
+    small, large = scripted_pair()
+    orch = Orchestrator(small, large, "specreason")
+    assert orch.run_sync("cot", "What is 17 * 23?").answer == "391"
+    store = tmp_path / "runs.jsonl"
+    results = orch.map_sync(["q1", ("named", "q2")], store=store)
+    assert sorted(r.id for r in results) == ["0", "named"]
+    assert orch.map_sync(["q1", ("named", "q2")], store=store) == []  # all done: nothing runs again
+    assert len(store.read_text().splitlines()) == 2
+
+
+def test_streaming_events_from_the_sdk():
+    small, large = scripted_pair()
+    orch = Orchestrator(small, large, "specreason")
+
+    async def collect():
+        return [item async for item in orch.stream("cot", "q")]
+
+    items = asyncio.run(collect())
+    assert [e.data["text"] for e in items[:-1] if e.kind == "step"] == ["Multiply.\n\n", "So \\boxed{391}."]
+    assert items[-1].answer == "391"
+
+
+def test_an_orchestrator_as_a_node_of_another_graph():
+    inner_small, inner_large = scripted_pair()
+    expert = Orchestrator(inner_small, inner_large, "specreason")
+    g = StepGraph(inputs=["question"], output="report")
+    g.add_tool("expert", expert.as_tool("cot"), inputs=["question"])
+    g.add_generate("report", "The expert says {expert}. Summarize.", tier="small")
+    g.add_sequence(START, "expert", "report", END)
+    outer_small = ScriptedModel(outputs=["It is 391."])
+    outer = Orchestrator(outer_small, ScriptedModel(), "large")
+    result = outer.run_sync(g, "What is 17 * 23?")
+    assert result.ok and result.answer == "It is 391."
+    assert "The expert says 391. Summarize." in outer_small.generated_prompts()[0]
+
+
+def test_model_specs_are_checked_before_loading():
+    with pytest.raises(ValueError, match="cannot resolve model spec 'no-such-model'"):
+        load_model("no-such-model")
+    with pytest.raises(ValueError, match="expected openai:MODEL@http"):
+        load_model("openai:qwen")
+    remote = load_model("openai:qwen@http://127.0.0.1:9/v1", dtype="int8")
+    assert type(remote).__name__ == "OpenAIModel" and remote.name == "qwen"
+    asyncio.run(remote.aclose())

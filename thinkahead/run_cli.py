@@ -1,0 +1,276 @@
+"""`thinkahead run` (a batch of tasks through a workflow) and `thinkahead trace` (one run's steps)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+from thinkahead.model_registry import DTYPES
+from thinkahead.orchestrator.summary import BatchSummary, fmt
+
+POLICIES = ("large", "small", "specreason", "arbitrage", "reflect")
+
+
+def orchestrator_options(fn):
+    """The options `run`, `bench` and `serve` share: models, policy, budgets, config file."""
+    options = [
+        click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+                     default=None, help="YAML/TOML/JSON orchestrator config; the options below override it."),
+        click.option("--small", default=None, help="Small (drafting) model spec [qwen2.5-coder-0.5b]."),
+        click.option("--large", default=None, help="Large (judging) model spec [qwen2.5-coder-1.5b]."),
+        click.option("--dtype", type=click.Choice(list(DTYPES)), default=None, help="Local model dtype [int8]."),
+        click.option("--threshold", type=float, default=None, help="specreason: accept drafts scoring at least this [7]."),
+        click.option("--max-steps", type=int, default=None, help="Steps per reasoning chain [16]."),
+        click.option("--max-tokens", type=int, default=None, help="Generated tokens per reasoning chain [1024]."),
+        click.option("--step-tokens", type=int, default=None, help="Token cap per step [128]."),
+        click.option("--no-token-spec", is_flag=True, help="Turn token-level speculation off (the plain baseline)."),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def build_settings(config_path, small, large, dtype, threshold, max_steps, max_tokens, step_tokens, no_token_spec,
+                   **extra: Any) -> dict[str, Any]:
+    """An `OrchestratorConfig` as a dict: the file's values, overridden by the options given."""
+    from thinkahead.config import OrchestratorConfig
+
+    try:
+        config = OrchestratorConfig.from_file(config_path) if config_path else OrchestratorConfig()
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
+    data = config.model_dump()
+    for tier, spec in (("small", small), ("large", large)):
+        if spec is not None:
+            data[tier]["spec"] = spec
+        if dtype is not None:
+            data[tier]["dtype"] = dtype
+    if threshold is not None:
+        data["policy"]["threshold"] = threshold
+    if max_steps is not None:
+        data["steps"]["max_steps"] = max_steps
+    if max_tokens is not None:
+        data["steps"]["max_tokens"] = max_tokens
+    if step_tokens is not None:
+        data["segment"]["max_step_tokens"] = step_tokens
+    if no_token_spec:
+        data["token_spec"] = False
+    for key, value in extra.items():
+        if value is not None:
+            if key == "policy":
+                data["policy"]["name"] = value
+            else:
+                data[key] = value
+    try:
+        OrchestratorConfig.model_validate(data)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
+    return data
+
+
+def grader(checker_name: str):
+    """Fills `meta["correct"]` of a run that has a reference answer."""
+    from thinkahead.verifiers.checkers import get_checker
+
+    if checker_name == "none":
+        return None
+    checker = get_checker(checker_name)
+
+    def annotate(result) -> None:
+        reference = result.meta.get("reference")
+        if reference is None:
+            return
+        answer = result.answer if isinstance(result.answer, str) else ("" if result.answer is None else str(result.answer))
+        try:
+            result.meta["correct"] = bool(checker.check(answer, reference))
+        except ValueError:
+            result.meta["correct"] = False
+
+    return annotate
+
+
+class Progress:
+    """A live status line: runs done, accuracy, step accept rate, small share, tokens per second."""
+
+    def __init__(self, total: int, stream=sys.stderr, min_interval_s: float = 0.5) -> None:
+        self.total, self.stream, self.min_interval_s = total, stream, min_interval_s
+        self.summary = BatchSummary()
+        self.live = BatchSummary()  # steps seen so far, in-flight runs included
+        self.started = time.perf_counter()
+        self.last_draw = 0.0
+        self.tty = stream.isatty()
+
+    def on_event(self, event) -> None:
+        if event.kind == "step":
+            self.live.add_step(event.data)
+            for tier, n in event.data.get("tokens", {}).items():
+                self.live.tokens[tier] = self.live.tokens.get(tier, 0) + n
+            self.draw()
+
+    def on_result(self, result) -> None:
+        self.summary.add(result)
+        self.draw(force=True, result=result)
+
+    def line(self) -> str:
+        s, elapsed = self.summary, time.perf_counter() - self.started
+        rate = self.live.total_tokens / elapsed if elapsed > 0 else 0.0
+        parts = [f"[{s.runs}/{self.total}]", f"ok {s.statuses.get('ok', 0)}"]
+        failed = s.runs - s.statuses.get("ok", 0)
+        if failed:
+            parts.append(f"failed {failed}")
+        if s.checked:
+            parts.append(f"acc {fmt(s.accuracy)}")
+        parts += [f"accept {fmt(self.live.accept_rate)}", f"small share {fmt(self.live.small_share)}",
+                  f"{rate:.1f} tok/s", f"{elapsed:.0f}s"]
+        return " | ".join(parts)
+
+    def draw(self, force: bool = False, result=None) -> None:
+        now = time.perf_counter()
+        if not force and now - self.last_draw < self.min_interval_s:
+            return
+        self.last_draw = now
+        if self.tty:
+            self.stream.write("\r\033[K" + self.line())
+        elif result is not None:  # logs: one line per finished run
+            self.stream.write(f"{self.line()}  <- {result.id}: {result.status}\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.tty:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def summary_table(rows: list[tuple[str, BatchSummary]]) -> str:
+    """An aligned plain-text table, one row per (label, summary)."""
+    header = ("", "runs", "ok", "acc", "95% CI", "s/run", "small tok", "large tok", "small share", "accept",
+              "judge calls", "tok/verify")
+    lines = [header]
+    for label, s in rows:
+        ci = s.accuracy_ci
+        lines.append((
+            label, str(s.runs), str(s.statuses.get("ok", 0)), fmt(s.accuracy),
+            "-" if ci is None else f"{ci[0]:.2f}-{ci[1]:.2f}", fmt(s.mean_wall_s, 1), str(s.tokens.get("small", 0)),
+            str(s.tokens.get("large", 0)), fmt(s.small_share), fmt(s.accept_rate), str(s.judge_calls),
+            fmt(s.accept_length),
+        ))
+    widths = [max(len(row[i]) for row in lines) for i in range(len(header))]
+    return "\n".join("  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+                     for row in lines)
+
+
+@click.command()
+@click.argument("input_path", metavar="INPUT.jsonl", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("-w", "--workflow", default=None, help="Workflow: cot, react, refine, vote, pipeline [cot].")
+@click.option("--policy", type=click.Choice(POLICIES), default=None, help="Step policy [specreason].")
+@click.option("-o", "--out", type=click.Path(dir_okay=False, path_type=Path), required=True,
+              help="Result store (JSONL); runs already in it are skipped (resume).")
+@click.option("--limit", type=int, default=None, help="Only the first N tasks.")
+@click.option("--concurrency", type=int, default=None, help="Runs in flight at once [1].")
+@click.option("--checker", type=click.Choice(["math", "exact", "none"]), default="math", show_default=True,
+              help="How answers are graded against a reference answer.")
+@click.option("--on-bad-line", type=click.Choice(["skip", "fail"]), default="skip", show_default=True,
+              help="Bad input lines: report and skip them, or stop before running anything.")
+@orchestrator_options
+def run(input_path, workflow, policy, out, limit, concurrency, checker, on_bad_line, **options) -> None:
+    """Run every task of INPUT.jsonl through a workflow; results go to --out as they finish.
+
+    Each line: {"id": ..., "question": ..., "answer": optional reference}.
+    """
+    from thinkahead.batch_input import read_tasks
+    from thinkahead.orchestrator.store import ResultStore
+    from thinkahead.orchestrator.summary import summarize
+    from thinkahead.sdk import Orchestrator
+
+    if limit is not None and limit < 1:
+        raise click.UsageError("--limit must be at least 1")
+    try:
+        tasks = read_tasks(input_path, limit=limit)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
+    for bad in tasks.bad:
+        click.echo(f"{input_path}:{bad.line}: {bad.reason}" + (" (skipped)" if on_bad_line == "skip" else ""), err=True)
+    if tasks.bad and on_bad_line == "fail":
+        raise click.ClickException(f"{len(tasks.bad)} bad input line(s); nothing was run")
+    if not tasks.tasks:
+        raise click.ClickException(f"no valid tasks in {input_path}")
+    settings = build_settings(**options, workflow=workflow, policy=policy, concurrency=concurrency)
+    try:
+        store = ResultStore(out)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
+    done = store.done_ids()
+    todo = [t for t in tasks.tasks if t.id not in done]
+    if done:
+        click.echo(f"resuming: {len(tasks.tasks) - len(todo)} of {len(tasks.tasks)} tasks already in {out}", err=True)
+    orch = Orchestrator(config=settings)
+    progress = Progress(len(todo))
+    items = [(t.id, t.inputs, {"reference": t.reference} if t.reference is not None else {}) for t in todo]
+    try:
+        asyncio.run(orch.map(items, store=store, on_result=progress.on_result, listeners=[progress.on_event],
+                             annotate=grader(checker)))
+    except KeyboardInterrupt:
+        progress.close()
+        raise click.ClickException(f"interrupted; finished runs are in {out}, run the same command to resume")
+    finally:
+        store.close()
+    progress.close()
+    ids = {t.id for t in tasks.tasks}
+    results = [r for rid, r in ResultStore(out).latest().items() if rid in ids]
+    click.echo(summary_table([(f"{orch.config.workflow}/{orch.config.policy.name}", summarize(results))]))
+    click.echo(f"results: {out}")
+
+
+@click.command()
+@click.argument("results_path", metavar="OUT.jsonl", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--id", "run_id", default=None, help="The run to show (default: list the runs).")
+@click.option("--full", is_flag=True, help="Print whole step texts, not one-line previews.")
+@click.option("--json", "as_json", is_flag=True, help="Print the run's record as JSON.")
+def trace(results_path, run_id, full, as_json) -> None:
+    """Show one run's steps: who wrote each, scores, tokens and time."""
+    from thinkahead.orchestrator.store import ResultStore
+
+    try:
+        runs = ResultStore(results_path).latest()
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from exc
+    if run_id is None:
+        for r in runs.values():
+            click.echo(f"{r.id}\t{r.status}\t{r.answer!r}")
+        return
+    if run_id not in runs:
+        known = ", ".join(list(runs)[:10]) + (" ..." if len(runs) > 10 else "")
+        raise click.ClickException(f"no run {run_id!r} in {results_path}; runs: {known}")
+    r = runs[run_id]
+    if as_json:
+        click.echo(json.dumps(r.to_dict(), indent=1, ensure_ascii=False))
+        return
+    click.echo(f"run {r.id}  workflow {r.workflow}  status {r.status}  answer {r.answer!r}")
+    if r.error:
+        click.echo(f"error: {r.error}")
+    if "correct" in r.meta:
+        click.echo(f"reference {r.meta.get('reference')!r}  correct {r.meta['correct']}")
+    cost = r.cost
+    click.echo(f"cost: tokens {cost.get('tokens')}  model calls {cost.get('model_calls')}  "
+               f"judge calls {cost.get('judge_calls')}  tok/verify {fmt(cost.get('accept_length'))}  "
+               f"{cost.get('wall_s', 0):.2f}s")
+    for e in r.trace:
+        d = e["data"]
+        if e["kind"] == "node_end":
+            extra = f"  {d['time_s']:.2f}s" if "time_s" in d else ""
+            click.echo(f"[{e['t']:8.2f}s] node {e['node']}: {d.get('status')}{extra}")
+        elif e["kind"] == "step":
+            score = "" if d.get("score") is None else f" score {d['score']:g}"
+            tokens = sum(d.get("tokens", {}).values())
+            text = d.get("text", "").strip()
+            text = text if full else (text.replace("\n", " ")[:100] + ("..." if len(text) > 100 else ""))
+            click.echo(f"[{e['t']:8.2f}s]   step {d['index']:>2} {d['author']:<5} {d['verdict']:<10}{score} "
+                       f"{tokens} tok {d.get('time_s', 0):.2f}s | {text}")
+        elif e["kind"] == "error":
+            click.echo(f"[{e['t']:8.2f}s] {d.get('status')}: {d.get('error')}")
