@@ -14,9 +14,13 @@ def write_tasks(path, lines: list[str]) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
-def base_args(model_dir, out) -> list[str]:
-    return ["--small", str(model_dir), "--large", str(model_dir), "--dtype", "float32", "-o", str(out),
+def model_args(model_dir) -> list[str]:
+    return ["--small", str(model_dir), "--large", str(model_dir), "--dtype", "float32",
             "--max-steps", "2", "--step-tokens", "6", "--max-tokens", "24"]
+
+
+def base_args(model_dir, out) -> list[str]:
+    return [*model_args(model_dir), "-o", str(out)]
 
 
 def test_run_reports_bad_lines_writes_results_resumes_and_traces(tiny_model_dir, tmp_path):
@@ -72,3 +76,25 @@ def test_bad_config_values_are_usage_errors(tmp_path):
     result = CliRunner().invoke(main, ["run", str(tasks), "-o", str(tmp_path / "o.jsonl"), "--config", str(config)])
     assert result.exit_code == 2
     assert "treshold" in result.output and "Extra inputs are not permitted" in result.output
+
+
+def test_bench_writes_a_report_and_a_plot_and_resumes(tiny_model_dir, tmp_path):
+    tasks = tmp_path / "tasks.jsonl"
+    write_tasks(tasks, [json.dumps({"id": str(i), "question": f"w{5 + i} w6", "answer": "1"}) for i in range(2)])
+    out_dir = tmp_path / "bench"
+    args = ["bench", str(tasks), "--policies", "large,specreason", "--thresholds", "3,7", "-o", str(out_dir),
+            *model_args(tiny_model_dir)]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    report = (out_dir / "report.md").read_text()
+    for label in ("| large |", "| specreason@3 |", "| specreason@7 |"):
+        assert label in report
+    assert (out_dir / "report.png").read_bytes()[:4] == b"\x89PNG"
+    data = json.loads((out_dir / "report.json").read_text())
+    assert [row["config"] for row in data["rows"]] == ["large", "specreason@3", "specreason@7"]
+    assert all(row["runs"] == 2 and row["checked"] == 2 for row in data["rows"])
+    stores = sorted(p.name for p in out_dir.glob("runs-*.jsonl"))
+    assert stores == ["runs-large.jsonl", "runs-specreason_3.jsonl", "runs-specreason_7.jsonl"]
+    again = CliRunner().invoke(main, args)  # resumes: no run is repeated
+    assert again.exit_code == 0, again.output
+    assert all(len((out_dir / s).read_text().splitlines()) == 2 for s in stores)

@@ -120,10 +120,11 @@ from thinkahead.reason_cli import reason, router  # noqa: E402
 main.add_command(reason)
 main.add_command(router)
 
-from thinkahead.run_cli import run, trace  # noqa: E402
+from thinkahead.run_cli import bench, run, trace  # noqa: E402
 
 main.add_command(run)
 main.add_command(trace)
+main.add_command(bench)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -274,3 +274,45 @@ def trace(results_path, run_id, full, as_json) -> None:
                        f"{tokens} tok {d.get('time_s', 0):.2f}s | {text}")
         elif e["kind"] == "error":
             click.echo(f"[{e['t']:8.2f}s] {d.get('status')}: {d.get('error')}")
+
+
+@click.command()
+@click.argument("input_path", metavar="INPUT.jsonl", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("-w", "--workflow", default=None, help="Workflow: cot, react, refine, vote, pipeline [cot].")
+@click.option("--policies", default="large,small,specreason", show_default=True, help="Comma-separated step policies.")
+@click.option("--thresholds", default="", help="specreason thresholds to sweep, e.g. 5,7,9 (default: the config's).")
+@click.option("--token-spec", "token_spec", type=click.Choice(["on", "off", "both"]), default="on", show_default=True,
+              help="Token-level speculation in every configuration, none, or each configuration both ways.")
+@click.option("-o", "--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), required=True,
+              help="Folder for the run stores, report.md, report.json and report.png (resumable).")
+@click.option("--limit", type=int, default=None, help="Only the first N tasks.")
+@click.option("--checker", type=click.Choice(["math", "exact"]), default="math", show_default=True)
+@orchestrator_options
+def bench(input_path, workflow, policies, thresholds, token_spec, out_dir, limit, checker, **options) -> None:
+    """Run step policies side by side on INPUT.jsonl; write a markdown report and an accuracy/time plot."""
+    from thinkahead.batch_input import read_tasks
+    from thinkahead.benchmark import matrix, run_bench
+
+    names = [p.strip() for p in policies.split(",") if p.strip()]
+    unknown = [p for p in names if p not in POLICIES]
+    if not names or unknown:
+        raise click.UsageError(f"--policies: unknown {unknown or '(none given)'}; choose from {', '.join(POLICIES)}")
+    try:
+        sweep = [float(t) for t in thresholds.split(",") if t.strip()]
+        tasks = read_tasks(input_path, limit=limit)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
+    for bad in tasks.bad:
+        click.echo(f"{input_path}:{bad.line}: {bad.reason} (skipped)", err=True)
+    if not tasks.tasks:
+        raise click.ClickException(f"no valid tasks in {input_path}")
+    settings = build_settings(**options, workflow=workflow)
+    configs = matrix(names, sweep, token_spec)
+
+    def progress(config, result) -> None:
+        click.echo(f"{config.label}: {result.id} {result.status} answer={result.answer!r}"
+                   + (f" correct={result.meta['correct']}" if "correct" in result.meta else ""), err=True)
+
+    report = run_bench(tasks.tasks, configs, settings, out_dir, annotate=grader(checker), on_result=progress)
+    click.echo(summary_table([(c.label, s) for c, s in report.rows]))
+    click.echo(f"report: {report.markdown}" + (f", plot: {report.plot}" if report.plot else ""))

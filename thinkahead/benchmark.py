@@ -1,0 +1,156 @@
+"""Policies side by side on one data set: a resumable matrix of runs, a markdown report and a plot.
+
+Every configuration (policy x threshold x token speculation) runs the same tasks with the same
+loaded models; each has its own result store under the output folder, so an interrupted bench
+resumes where it stopped. Suffix caches are cleared between configurations so none starts warmer
+than another.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from thinkahead.batch_input import Task
+from thinkahead.orchestrator.store import ResultStore
+from thinkahead.orchestrator.summary import BatchSummary, fmt, summarize
+from thinkahead.orchestrator.trace import RunResult
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One column of the matrix."""
+
+    policy: str
+    threshold: float | None = None
+    token_spec: bool = True
+
+    @property
+    def label(self) -> str:
+        name = self.policy if self.threshold is None else f"{self.policy}@{self.threshold:g}"
+        return name if self.token_spec else f"{name}/no-token-spec"
+
+
+def matrix(policies: list[str], thresholds: list[float], token_spec: str) -> list[BenchConfig]:
+    """Every policy (specreason once per threshold) with token speculation "on", "off" or "both"."""
+    if token_spec not in ("on", "off", "both"):
+        raise ValueError(f"token_spec must be 'on', 'off' or 'both', got {token_spec!r}")
+    specs = {"on": [True], "off": [False], "both": [True, False]}[token_spec]
+    out = []
+    for policy in policies:
+        for spec in specs:
+            if policy == "specreason" and thresholds:
+                out.extend(BenchConfig(policy, t, spec) for t in thresholds)
+            else:
+                out.append(BenchConfig(policy, None, spec))
+    return out
+
+
+@dataclass
+class BenchReport:
+    rows: list[tuple[BenchConfig, BatchSummary]] = field(default_factory=list)
+    markdown: Path | None = None
+    plot: Path | None = None
+    json: Path | None = None
+
+
+def _clear_caches(models) -> None:
+    for model in {id(m): m for m in models}.values():
+        for attr in ("suffix_cache", "prefix_pool"):
+            cache = getattr(model, attr, None)
+            if cache is not None and hasattr(cache, "clear"):
+                cache.clear()
+
+
+def run_bench(
+    tasks: list[Task],
+    configs: list[BenchConfig],
+    settings: dict[str, Any],
+    out_dir: Path,
+    annotate: Callable[[RunResult], None] | None = None,
+    on_result: Callable[[BenchConfig, RunResult], None] | None = None,
+) -> BenchReport:
+    """Run every configuration over `tasks` (resuming each from its store) and write the report."""
+    from thinkahead.sdk import Orchestrator
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    base = Orchestrator(config=settings)
+    small, large = base.small, base.large  # load the models once for every configuration
+    report = BenchReport()
+    for config in configs:
+        cfg = json.loads(json.dumps(settings))
+        cfg["policy"]["name"] = config.policy
+        if config.threshold is not None:
+            cfg["policy"]["threshold"] = config.threshold
+        cfg["token_spec"] = config.token_spec
+        orch = Orchestrator(small, large, config=cfg)
+        _clear_caches([small, large])
+        path = out_dir / f"runs-{config.label.replace('/', '_').replace('@', '_')}.jsonl"
+        items = [(t.id, t.inputs, {"reference": t.reference} if t.reference is not None else {}) for t in tasks]
+        with ResultStore(path) as store:
+            asyncio.run(orch.map(items, store=store, annotate=annotate,
+                                 on_result=(lambda r, c=config: on_result(c, r)) if on_result else None))
+        ids = {t.id for t in tasks}
+        results = [r for rid, r in ResultStore(path).latest().items() if rid in ids]
+        report.rows.append((config, summarize(results)))
+    report.markdown = out_dir / "report.md"
+    report.markdown.write_text(markdown_report(report.rows, settings, len(tasks)))
+    report.json = out_dir / "report.json"
+    report.json.write_text(json.dumps({"settings": settings, "rows": [
+        {"config": c.label, **s.to_dict()} for c, s in report.rows]}, indent=1, default=str))
+    report.plot = plot_pareto(report.rows, out_dir / "report.png")
+    return report
+
+
+def markdown_report(rows: list[tuple[BenchConfig, BatchSummary]], settings: dict[str, Any], n_tasks: int) -> str:
+    lines = [
+        "# thinkahead bench", "",
+        f"{n_tasks} tasks, workflow `{settings.get('workflow')}`, small `{settings['small']['spec']}`, "
+        f"large `{settings['large']['spec']}` ({settings['large'].get('dtype')}).", "",
+        "| config | runs | ok | accuracy | 95% CI | s/run | small tok | large tok | small share | accept rate | judge calls | tok/verify |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for config, s in rows:
+        ci = s.accuracy_ci
+        lines.append(
+            f"| {config.label} | {s.runs} | {s.statuses.get('ok', 0)} | {fmt(s.accuracy)} | "
+            f"{'-' if ci is None else f'{ci[0]:.2f}-{ci[1]:.2f}'} | {fmt(s.mean_wall_s, 1)} | {s.tokens.get('small', 0)} | "
+            f"{s.tokens.get('large', 0)} | {fmt(s.small_share)} | {fmt(s.accept_rate)} | {s.judge_calls} | {fmt(s.accept_length)} |"
+        )
+    lines += ["", "s/run: mean wall time per task; small share: kept steps written by the small model; accept rate: "
+              "judged small-model drafts kept; tok/verify: tokens per verify step of token-level speculation.", ""]
+    return "\n".join(lines)
+
+
+def plot_pareto(rows: list[tuple[BenchConfig, BatchSummary]], path: Path) -> Path | None:
+    """Accuracy (with 95% intervals) against seconds per task; None when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.warning("matplotlib is not installed (pip install 'thinkahead[bench]'); no plot written")
+        return None
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    for config, s in rows:
+        if s.accuracy is None or s.mean_wall_s is None:
+            continue
+        lo, hi = s.accuracy_ci
+        ax.errorbar(s.mean_wall_s, s.accuracy, yerr=[[s.accuracy - lo], [hi - s.accuracy]], fmt="o", capsize=3)
+        ax.annotate(config.label, (s.mean_wall_s, s.accuracy), textcoords="offset points", xytext=(5, 5), fontsize=8)
+    ax.set_xlabel("seconds per task")
+    ax.set_ylabel("accuracy")
+    ax.set_title("accuracy vs time")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
