@@ -74,6 +74,23 @@ def build_settings(config_path, small, large, dtype, threshold, max_steps, max_t
     return data
 
 
+def quiet_loading() -> None:
+    """No per-tensor progress bars from transformers while GGUF weights convert."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
+def load_models(orch) -> None:
+    """Load both models now (quietly), so the progress clock starts with the first run."""
+    quiet_loading()
+    c = orch.config
+    click.echo(f"loading {c.small.spec} and {c.large.spec} ({c.large.dtype}) ...", err=True)
+    t0 = time.perf_counter()
+    orch.runtime  # noqa: B018 - builds the runtime, which loads the models
+    click.echo(f"models ready in {time.perf_counter() - t0:.0f}s", err=True)
+
+
 def grader(checker_name: str):
     """Fills `meta["correct"]` of a run that has a reference answer."""
     from thinkahead.verifiers.checkers import get_checker
@@ -210,6 +227,7 @@ def run(input_path, workflow, policy, out, limit, concurrency, checker, on_bad_l
     if done:
         click.echo(f"resuming: {len(tasks.tasks) - len(todo)} of {len(tasks.tasks)} tasks already in {out}", err=True)
     orch = Orchestrator(config=settings)
+    load_models(orch)
     progress = Progress(len(todo))
     items = [(t.id, t.inputs, {"reference": t.reference} if t.reference is not None else {}) for t in todo]
     try:
@@ -313,6 +331,7 @@ def bench(input_path, workflow, policies, thresholds, token_spec, out_dir, limit
         click.echo(f"{config.label}: {result.id} {result.status} answer={result.answer!r}"
                    + (f" correct={result.meta['correct']}" if "correct" in result.meta else ""), err=True)
 
+    quiet_loading()
     report = run_bench(tasks.tasks, configs, settings, out_dir, annotate=grader(checker), on_result=progress)
     click.echo(summary_table([(c.label, s) for c, s in report.rows]))
     click.echo(f"report: {report.markdown}" + (f", plot: {report.plot}" if report.plot else ""))
