@@ -100,3 +100,22 @@ def test_model_specs_are_checked_before_loading():
     remote = load_model("openai:qwen@http://127.0.0.1:9/v1", dtype="int8")
     assert type(remote).__name__ == "OpenAIModel" and remote.name == "qwen"
     asyncio.run(remote.aclose())
+
+
+def test_the_plain_python_agents_example_runs():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parent.parent / "examples" / "plain_agents.py"
+    spec = importlib.util.spec_from_file_location("plain_agents", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+
+    def small_out(prompt, request):
+        if "Proposed answer" in prompt:
+            return "\\boxed{yes}"
+        return "\\boxed{391}" if "17 * 23" in prompt else "\\boxed{12}"
+
+    orch = Orchestrator(ScriptedModel(outputs=small_out), ScriptedModel(logprobs=JUDGE_YES), "specreason", concurrency=2)
+    rows = asyncio.run(example.team(orch, ["What is 17 * 23?", "What is 144 / 12?"]))
+    assert [(r["answer"], r["review"], r["ok"]) for r in rows] == [("391", "yes", True), ("12", "yes", True)]
