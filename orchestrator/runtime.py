@@ -15,7 +15,7 @@ import inspect
 import itertools
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import networkx as nx
@@ -42,6 +42,13 @@ class _Run:
     tracer: Tracer
     meter: Meter
     models: dict[str, MeteredModel]
+    sessions: set[str] = field(default_factory=set)
+
+    def session(self, node: str) -> str:
+        """The agent session of a node in this run: its prompts grow turn by turn."""
+        sid = f"{self.tracer.run_id}/{node}"
+        self.sessions.add(sid)
+        return sid
 
 
 class NodeError(RuntimeError):
@@ -117,6 +124,7 @@ class Runtime:
                 tracer.emit("error", status=status, error=error)
             cost = meter.snapshot()
             tracer.emit("run_end", status=status, cost=cost)
+            await self._end_sessions(run)
         answer = state.get(compiled.output) if compiled.output else None
         outputs = {k: jsonable(v) for k, v in state.items() if k not in compiled.inputs}
         return RunResult(
@@ -124,6 +132,11 @@ class Runtime:
             input={k: jsonable(state[k]) for k in compiled.inputs}, cost=cost,
             trace=[e.to_dict() for e in tracer.events], error=error, meta=dict(meta or {}),
         )
+
+    async def _end_sessions(self, run: _Run) -> None:
+        """A finished run's agent sessions will not continue: let the models drop them."""
+        models = {id(m): m for m in self.models.values()}.values()
+        await asyncio.gather(*(m.end_session(sid) for m in models for sid in run.sessions), return_exceptions=True)
 
     async def _run_region(self, run: _Run, loop: str | None) -> None:
         """Run the nodes of one region (the top level or one loop body) in dependency order."""
@@ -246,7 +259,7 @@ class Runtime:
             messages = content
         request = GenerationRequest(
             messages=messages, continue_final=messages[-1]["role"] == "assistant", max_new_tokens=spec["max_tokens"], stop=spec["stop"],
-            temperature=spec["temperature"], speculative=self.speculative,
+            temperature=spec["temperature"], speculative=self.speculative, session_id=run.session(node.name),
         )
         completion = await run.models[spec["tier"]].generate(request)
         run.state[node.output] = completion.text.strip()
@@ -261,6 +274,7 @@ class Runtime:
         loop = StepLoop(
             run.models["small"], run.models["large"], spec["policy"] or self.policy, self.segment, budget,
             system=spec["system"], speculative=self.speculative, temperature=spec["temperature"], seed=spec["seed"],
+            session_id=run.session(node.name),
         )
         problem = spec["problem"].format_map(run.state)
         result = None

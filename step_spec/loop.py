@@ -70,11 +70,12 @@ class StepLoop:
         speculative: bool = True,
         temperature: float = 0.0,
         seed: int | None = None,
+        session_id: str | None = None,
     ) -> None:
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         self.small, self.large, self.policy = small, large, policy
-        self.temperature, self.seed = temperature, seed
+        self.temperature, self.seed, self.session_id = temperature, seed, session_id
         self.segment = segment or SegmentConfig()
         self.budget = budget or StepBudget()
         self.system = system
@@ -95,7 +96,7 @@ class StepLoop:
             raise ValueError("problem must be a non-empty string")
         t0 = time.perf_counter()
         ctx = StepContext(problem, self.small, self.large, self.segment, self.system, speculative=self.speculative,
-                          temperature=self.temperature, seed=self.seed)
+                          temperature=self.temperature, seed=self.seed, session_id=self.session_id)
         stop = None
         while stop is None:
             stop = self._budget_stop(ctx)

@@ -56,6 +56,7 @@ async def write_step(ctx: StepContext, tier: str, messages: list[dict[str, str]]
         speculative=ctx.speculative,
         temperature=ctx.temperature,
         seed=ctx.seed,
+        session_id=ctx.session_id,
     )
     completion = await model.generate(request)
     raw = completion.text + (completion.matched_stop or "")  # put the delimiter (or </think>) back

@@ -51,6 +51,7 @@ class StepContext:
     speculative: bool = True  # token-level speculation inside every generation
     temperature: float = 0.0
     seed: int | None = None
+    session_id: str | None = None  # each step's prompt extends the last: one agent session per chain
 
     @property
     def index(self) -> int:

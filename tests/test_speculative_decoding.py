@@ -31,8 +31,8 @@ class Recording:
         self.model_free = inner.model_free
         self.drafts: list[Draft] = []
 
-    def start(self, rid, prompt, params):
-        self.inner.start(rid, prompt, params)
+    def start(self, rid, prompt, params, session_id=None):
+        self.inner.start(rid, prompt, params, session_id=session_id)
 
     def propose(self, rid, context, budget):
         d = self.inner.propose(rid, context, budget)

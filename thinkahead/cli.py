@@ -130,6 +130,10 @@ from thinkahead.serve_cli import serve  # noqa: E402
 
 main.add_command(serve)
 
+from thinkahead.launch_cli import launch  # noqa: E402
+
+main.add_command(launch)
+
 
 if __name__ == "__main__":  # pragma: no cover
     main()

@@ -18,7 +18,7 @@ import click
 from thinkahead.model_registry import DTYPES
 
 # The choices of --drafter (token_spec.presets.DRAFTER_KINDS, repeated so that --help stays light).
-DRAFTERS = ("suffix", "suffix-tree", "prompt-lookup", "draft-model", "hybrid", "none")
+DRAFTERS = ("suffix", "suffix-tree", "prompt-lookup", "draft-model", "hybrid", "combined", "none")
 
 
 @dataclass(slots=True)

@@ -17,6 +17,9 @@ _EXPORTS = {
     "PromptLookupDrafter": "drafters",
     "DraftModelDrafter": "drafters",
     "HybridDrafter": "drafters",
+    "CombinedDrafter": "drafters",
+    "merge_drafts": "drafters",
+    "SessionStats": "suffix_cache",
     "SamplingParams": "verify",
     "FixedController": "controller",
     "MatchLengthController": "controller",
@@ -25,6 +28,8 @@ _EXPORTS = {
     "GenerationResult": "decoder",
     "SpecStats": "decoder",
     "replay": "simulator",
+    "replay_sessions": "simulator",
+    "Turn": "simulator",
 }
 
 __all__ = sorted(_EXPORTS)

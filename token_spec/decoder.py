@@ -105,8 +105,12 @@ class SpeculativeDecoder:
         seed: int | None = None,
         request_id: Hashable | None = None,
         stop_strings: Sequence[str] = (),
+        session_id: Hashable | None = None,
     ) -> GenerationResult:
         """Continue `prompt_ids` by up to `max_new_tokens` tokens.
+
+        `session_id` names an agent session: when this prompt extends the session's previous
+        prompt and output, the drafter indexes only the new tokens instead of the whole prompt.
 
         Generation ends at a stop token (kept in `token_ids`) or when the decoded output contains
         one of `stop_strings`; the text then ends right before the stop string (OpenAI and SGLang
@@ -137,7 +141,7 @@ class SpeculativeDecoder:
         stats.prefill_time_s = time.perf_counter() - t_start
         drafter = self.drafter
         if drafter is not None:
-            drafter.start(rid, prompt, sampling)
+            drafter.start(rid, prompt, sampling, session_id=session_id)
 
         context = list(prompt)
         output: list[int] = []

@@ -8,11 +8,17 @@ from __future__ import annotations
 
 from thinkahead.token_spec.controller import AdaptiveController, FixedController, MatchLengthController
 from thinkahead.token_spec.decoder import SpeculativeDecoder
-from thinkahead.token_spec.drafters import DraftModelDrafter, HybridDrafter, PromptLookupDrafter, SuffixDrafter
+from thinkahead.token_spec.drafters import (
+    CombinedDrafter,
+    DraftModelDrafter,
+    HybridDrafter,
+    PromptLookupDrafter,
+    SuffixDrafter,
+)
 from thinkahead.token_spec.prefix_pool import KVPrefixPool
 from thinkahead.token_spec.suffix_cache import SuffixCache
 
-DRAFTER_KINDS = ("suffix", "suffix-tree", "prompt-lookup", "draft-model", "hybrid", "none")
+DRAFTER_KINDS = ("suffix", "suffix-tree", "prompt-lookup", "draft-model", "hybrid", "combined", "none")
 MODEL_DRAFT_TOKENS = 4  # a draft-model token costs a forward of the small model: keep rounds short
 
 
@@ -41,6 +47,8 @@ def build_decoder(
         drafter, controller = SuffixDrafter(cache), AdaptiveController(max_draft)
     elif kind == "suffix-tree":
         drafter, controller = SuffixDrafter(cache, tree=True), MatchLengthController(max_draft)
+    elif kind == "combined":
+        drafter, controller = CombinedDrafter(cache), AdaptiveController(max_draft)
     elif kind == "prompt-lookup":
         drafter, controller = PromptLookupDrafter(), AdaptiveController(max_draft)
     elif kind == "draft-model":

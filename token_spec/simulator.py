@@ -1,21 +1,27 @@
-"""Replay recorded outputs through a suffix cache, with no model, to judge drafting in seconds.
+"""Replay recorded outputs through a drafter, with no model, to judge drafting in seconds.
 
 As ArcticInference's simulator: for each recorded (prompt, output) pair, speculate
 from the context, accept greedily while the draft matches the real next tokens,
 add one bonus token, and move on. Acceptance length = output tokens / verify
 steps. Drafting changes can then be compared on thousands of outputs at once.
+
+- `replay`: independent (prompt, output) records through a `SuffixCache`.
+- `replay_sessions`: multi-turn agent sessions (each turn's prompt normally
+  extends the previous turn's prompt + output) through any `Drafter`, passing
+  the session id so drafters can continue their per-session state; it also times
+  each turn's prompt ingestion (`Drafter.start`), the per-turn cache update.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Hashable, Iterable, Sequence
 import itertools
 import time
 
 from thinkahead.token_spec.draft import Draft
 from thinkahead.token_spec.suffix_cache import SuffixCache
-from thinkahead.token_spec.verify import children_of
+from thinkahead.token_spec.verify import SamplingParams, children_of
 
 
 @dataclass(slots=True)
@@ -107,4 +113,136 @@ def replay(
         stats.output_tokens += len(output)
         stats.verify_steps += steps
         stats.accept_length_per_request.append(len(output) / steps if steps else 0.0)
+    return stats
+
+
+@dataclass(slots=True)
+class Turn:
+    """One request of a session: the prompt it was sent and the output the model produced."""
+
+    prompt_ids: list[int]
+    output_ids: list[int]
+
+
+@dataclass(slots=True)
+class SessionReplayStats:
+    """Totals over a multi-turn replay, plus raw per-turn and per-call timings for percentiles."""
+
+    sessions: int = 0
+    turns: int = 0
+    extending_turns: int = 0  # turns whose prompt extends the previous turn's prompt + output
+    prompt_tokens: int = 0
+    new_prompt_tokens: int = 0  # prompt tokens beyond the previous turn's prompt + output
+    output_tokens: int = 0
+    verify_steps: int = 0
+    proposed_tokens: int = 0
+    accepted_tokens: int = 0
+    update_s: list[float] = field(default_factory=list)  # Drafter.start per turn
+    update_prompt_tokens: list[int] = field(default_factory=list)  # that turn's prompt length
+    update_new_tokens: list[int] = field(default_factory=list)  # that turn's new prompt tokens
+    finish_s: list[float] = field(default_factory=list)  # Drafter.finish per turn
+    propose_s: list[float] = field(default_factory=list)
+    observe_s: list[float] = field(default_factory=list)
+    tokens_per_step_per_turn: list[float] = field(default_factory=list)
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Committed tokens per verify step: accepted draft tokens + 1 bonus, averaged."""
+        return self.output_tokens / self.verify_steps if self.verify_steps else 0.0
+
+    def summary(self) -> dict[str, float]:
+        ms = _percentile_ms
+        return {
+            "sessions": self.sessions,
+            "turns": self.turns,
+            "extending_turns": self.extending_turns,
+            "prompt_tokens": self.prompt_tokens,
+            "new_prompt_tokens": self.new_prompt_tokens,
+            "output_tokens": self.output_tokens,
+            "verify_steps": self.verify_steps,
+            "tokens_per_step": round(self.tokens_per_step, 4),
+            "draft_precision": round(self.accepted_tokens / self.proposed_tokens, 4) if self.proposed_tokens else 0.0,
+            "update_p50_ms": round(ms(self.update_s, 0.50), 3),
+            "update_p99_ms": round(ms(self.update_s, 0.99), 3),
+            "finish_p50_ms": round(ms(self.finish_s, 0.50), 3),
+            "propose_p50_us": round(1e3 * ms(self.propose_s, 0.50), 1),
+            "propose_p99_us": round(1e3 * ms(self.propose_s, 0.99), 1),
+        }
+
+
+def _percentile_ms(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return 1e3 * ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def replay_sessions(
+    drafter,  # any Drafter
+    sessions: Iterable[Sequence[Turn | tuple[Sequence[int], Sequence[int]]]],
+    max_tokens: int = 32,
+    stats: SessionReplayStats | None = None,
+    use_sessions: bool = True,
+    tag: Hashable = "replay",
+) -> SessionReplayStats:
+    """Replay sessions turn by turn through `drafter`, accepting greedily against the recorded outputs.
+
+    Each round the drafter proposes up to `max_tokens` tokens (a chain or a tree),
+    the longest matching path is kept plus one bonus token, and `observe` gets the
+    committed tokens, as in the decoder. With `use_sessions` each turn passes its
+    session's id to `Drafter.start` (drafts do not change, only the update cost);
+    without it every turn starts from scratch.
+    """
+    if max_tokens < 0:
+        raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+    stats = stats or SessionReplayStats()
+    clock = time.perf_counter
+    params = SamplingParams()
+    for session in sessions:
+        session_id = (tag, "session", next(_request_ids))  # unique: a reused id would continue another replay
+        previous: list[int] = []
+        for turn in session:
+            prompt, output = (turn.prompt_ids, turn.output_ids) if isinstance(turn, Turn) else turn
+            prompt, output = list(prompt), list(output)
+            if not prompt:
+                raise ValueError("every turn needs a non-empty prompt")
+            extends = len(prompt) >= len(previous) and prompt[:len(previous)] == previous
+            new_tokens = len(prompt) - len(previous) if extends else len(prompt)
+            rid = (tag, next(_request_ids))
+            t0 = clock()
+            if use_sessions:
+                drafter.start(rid, prompt, params, session_id=session_id)
+            else:
+                drafter.start(rid, prompt, params)
+            stats.update_s.append(clock() - t0)
+            stats.update_prompt_tokens.append(len(prompt))
+            stats.update_new_tokens.append(new_tokens)
+            context = list(prompt)
+            pos = steps = 0
+            while pos < len(output):
+                t0 = clock()
+                draft = drafter.propose(rid, context, max_tokens)
+                stats.propose_s.append(clock() - t0)
+                hit = accepted_prefix(draft, output[pos:])
+                new = output[pos:pos + hit + 1]
+                stats.proposed_tokens += len(draft)
+                stats.accepted_tokens += min(hit, len(new))
+                t0 = clock()
+                drafter.observe(rid, new, draft)
+                stats.observe_s.append(clock() - t0)
+                context += new
+                pos += len(new)
+                steps += 1
+            t0 = clock()
+            drafter.finish(rid)
+            stats.finish_s.append(clock() - t0)
+            stats.turns += 1
+            stats.extending_turns += int(extends and bool(previous))
+            stats.prompt_tokens += len(prompt)
+            stats.new_prompt_tokens += new_tokens
+            stats.output_tokens += len(output)
+            stats.verify_steps += steps
+            stats.tokens_per_step_per_turn.append(len(output) / steps if steps else 0.0)
+            previous = prompt + output
+        stats.sessions += 1
     return stats

@@ -1,4 +1,4 @@
-"""SuffixDecoding's cache: a tree per live request and one global tree of earlier outputs.
+"""SuffixDecoding's cache: a tree per live request, one global tree of earlier outputs, and sessions.
 
 One `SuffixCache` serves every request and agent that talks to one target model.
 A live request's own tree covers its prompt and its output so far; when the
@@ -6,6 +6,18 @@ request stops, its output joins the global tree, where every later request (of
 any agent) can draft from it. The global tree evicts whole responses, oldest
 first, by count and by an estimated memory cap. `save` / `load` keep a warm
 cache between batch jobs.
+
+Sessions: an agent sends the same growing conversation turn after turn. A
+request started with a `session_id` keeps its tree when it stops; the session's
+next request, whose prompt normally extends the previous prompt + output, then
+appends only the new tokens to that tree instead of rebuilding it over the whole
+prompt (cost proportional to the new tokens, plus one list comparison of the old
+prefix). Because the tree is built token by token either way, a continued tree
+is the very tree a rebuild would give, so the drafts are identical. A prompt
+that does not extend the session (an edited history) is rebuilt and counted in
+`session_stats`. Sessions end by `end_session`, after `session_idle_s` without
+use (checked lazily on start/stop calls, against an injectable clock), and by
+least-recently-used eviction under `max_sessions` / `max_session_bytes`.
 """
 
 from __future__ import annotations
@@ -13,12 +25,13 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Hashable, Sequence
+from typing import Any, Callable, Hashable, Sequence
 import array
 import json
 import operator
 import os
 import sys
+import time
 
 from thinkahead.token_spec.draft import Draft
 from thinkahead.token_spec.suffix_tree import Position, SuffixTree
@@ -29,7 +42,16 @@ NODE_BYTES = 190
 TOKEN_BYTES = 40
 
 _FILE_MAGIC = "thinkahead-suffix-cache"
-_FILE_VERSION = 1
+_FILE_VERSION = 2  # 2 adds idle sessions after the responses; version 1 files still load
+
+_CONFIG_KEYS = (
+    "max_depth",
+    "max_cached_requests",
+    "max_memory_bytes",
+    "max_sessions",
+    "max_session_bytes",
+    "session_idle_s",
+)
 
 
 @dataclass(slots=True)
@@ -38,16 +60,46 @@ class _Request:
     prompt_len: int
     global_positions: list[Position] = field(default_factory=list)
     global_version: int = -1  # the global tree version the positions belong to
+    session_id: Hashable | None = None  # where the tree goes when the request stops
+
+
+@dataclass(slots=True)
+class _Session:
+    """An idle session: the tree over its last prompt + output, waiting for the next turn."""
+
+    tree: SuffixTree
+    last_used: float
+    bytes: int
+
+
+@dataclass(slots=True)
+class SessionStats:
+    """What happened to sessions so far: how turns were served and how sessions ended."""
+
+    session_starts: int = 0  # a request opened a session the cache did not hold
+    session_extends: int = 0  # a request continued its session: only new tokens were added
+    session_rebuilds: int = 0  # the prompt did not extend the session (an edited history)
+    session_busy: int = 0  # another live request held the session's tree: built a private one
+    sessions_ended: int = 0  # by end_session
+    sessions_expired: int = 0  # idle longer than session_idle_s
+    sessions_evicted: int = 0  # least recently used, over max_sessions or max_session_bytes
+    extended_tokens: int = 0  # prompt tokens appended to continued sessions
+    rebuilt_tokens: int = 0  # prompt tokens of session requests that were built from scratch
 
 
 class SuffixCache:
-    """Per-request and global suffix trees with SuffixDecoding's semantics.
+    """Per-request and global suffix trees with SuffixDecoding's semantics, plus sessions.
 
     Args:
         max_depth: longest suffix stored (and so the longest match tried, minus one).
         max_cached_requests: responses kept in the global tree; 0 disables the
             global tree, a negative value means no limit.
         max_memory_bytes: estimated memory cap of the global tree, or None.
+        max_sessions: idle sessions kept (least recently used evicted first); 0
+            disables sessions (every request builds its own tree), None means no limit.
+        max_session_bytes: estimated memory cap over all idle sessions' trees, or None.
+        session_idle_s: a session unused for longer than this ends, or None (never).
+        clock: seconds as a float, for idle timeouts (tests inject a fake one).
     """
 
     def __init__(
@@ -55,25 +107,45 @@ class SuffixCache:
         max_depth: int = 64,
         max_cached_requests: int = 10_000,
         max_memory_bytes: int | None = None,
+        max_sessions: int | None = 1024,
+        max_session_bytes: int | None = 1 << 30,
+        session_idle_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not isinstance(max_cached_requests, int):
             raise ValueError(f"max_cached_requests must be an integer, got {max_cached_requests!r}")
         if max_memory_bytes is not None and max_memory_bytes <= 0:
             raise ValueError(f"max_memory_bytes must be positive or None, got {max_memory_bytes!r}")
+        if max_sessions is not None and (not isinstance(max_sessions, int) or max_sessions < 0):
+            raise ValueError(f"max_sessions must be a non-negative integer or None, got {max_sessions!r}")
+        if max_session_bytes is not None and max_session_bytes <= 0:
+            raise ValueError(f"max_session_bytes must be positive or None, got {max_session_bytes!r}")
+        if session_idle_s is not None and not session_idle_s > 0:
+            raise ValueError(f"session_idle_s must be positive or None, got {session_idle_s!r}")
         self.max_depth = max_depth
         self.max_cached_requests = max_cached_requests
         self.max_memory_bytes = max_memory_bytes
+        self.max_sessions = max_sessions
+        self.max_session_bytes = max_session_bytes
+        self.session_idle_s = session_idle_s
+        self.clock = clock
         self.global_tree = SuffixTree(max_depth)
+        self.session_stats = SessionStats()
         self._requests: dict[Hashable, _Request] = {}
         self._cached: OrderedDict[Hashable, int] = OrderedDict()  # rid -> seq id, oldest first
         self._next_seq_id = 0
+        self._sessions: OrderedDict[Hashable, _Session] = OrderedDict()  # idle, least recently used first
+        self._session_bytes = 0
+        self._held: dict[Hashable, Hashable] = {}  # session id -> the live request holding its tree
 
     def clear(self) -> None:
-        """Forget every cached output (a cold cache), e.g. between benchmark runs that must not share."""
+        """Forget every cached output and session (a cold cache), e.g. between benchmark runs that must not share."""
         if self._requests:
             raise ValueError(f"cannot clear the suffix cache while requests are live: {list(self._requests)[:5]}")
         self.global_tree = SuffixTree(self.max_depth)
         self._cached.clear()
+        self._sessions.clear()
+        self._session_bytes = 0
 
     # --------------------------------------------------------------- lifecycle
     @property
@@ -85,13 +157,82 @@ class SuffixCache:
         """Requests whose outputs are in the global tree, oldest first."""
         return list(self._cached)
 
-    def start_request(self, rid: Hashable, prompt_ids: Sequence[int]) -> None:
-        """Begin a request: build its own tree over the prompt."""
+    def start_request(self, rid: Hashable, prompt_ids: Sequence[int], session_id: Hashable | None = None) -> None:
+        """Begin a request: build its own tree over the prompt, or continue its session's tree.
+
+        With a `session_id` the cache holds (from the session's previous request),
+        a prompt that starts with that request's prompt + output costs only its
+        new tokens; any other prompt is rebuilt from scratch and counted in
+        `session_stats.session_rebuilds`.
+        """
         if rid in self._requests:
             raise ValueError(f"request {rid!r} is already active")
-        tree = SuffixTree(self.max_depth)
-        tree.extend(0, _checked_tokens(prompt_ids, "prompt_ids"))
-        self._requests[rid] = _Request(tree=tree, prompt_len=len(prompt_ids))
+        if session_id is not None and self.max_sessions == 0:
+            session_id = None  # sessions disabled: serve the request on its own
+        if session_id is None:
+            tokens = _checked_tokens(prompt_ids, "prompt_ids")
+            self._requests[rid] = _Request(tree=_build(self.max_depth, tokens), prompt_len=len(tokens))
+            return
+        self._expire(self.clock())
+        stats = self.session_stats
+        busy = session_id in self._held
+        session = None if busy else self._sessions.get(session_id)
+        tree: SuffixTree | None = None
+        if session is not None:
+            new = prompt_extension(session.tree.tokens(0), prompt_ids)
+            if new is not None:
+                self._discard_idle(session_id)
+                tree = session.tree
+                tree.extend(0, new)
+                stats.session_extends += 1
+                stats.extended_tokens += len(new)
+        if tree is None:
+            tokens = _checked_tokens(prompt_ids, "prompt_ids")
+            tree = _build(self.max_depth, tokens)
+            if busy:
+                stats.session_busy += 1
+            else:
+                if session is not None:
+                    stats.session_rebuilds += 1
+                    self._discard_idle(session_id)  # its tree no longer describes the conversation
+                else:
+                    stats.session_starts += 1
+                stats.rebuilt_tokens += len(tokens)
+        if not busy:
+            self._held[session_id] = rid
+        self._requests[rid] = _Request(tree=tree, prompt_len=len(tree.tokens(0)), session_id=session_id)
+
+    def continue_session(self, rid: Hashable, session_id: Hashable, new_token_ids: Sequence[int]) -> None:
+        """Begin a request whose prompt is the session's last prompt + output + `new_token_ids`.
+
+        For callers that track the conversation as tokens (an agent loop that
+        appends tool results to its own token list): nothing is compared, so the
+        cost is the new tokens' alone. Raises ValueError when the cache does not
+        hold the session idle (never seen, ended, expired, evicted or in use by
+        another request); the caller then sends the full prompt to `start_request`.
+        """
+        if rid in self._requests:
+            raise ValueError(f"request {rid!r} is already active")
+        new = _checked_tokens(new_token_ids, "new_token_ids")
+        self._expire(self.clock())
+        if session_id in self._held or session_id not in self._sessions:
+            state = "in use by another request" if session_id in self._held else "not held by the cache"
+            raise ValueError(f"session {session_id!r} is {state}: start the request with its full prompt")
+        session = self._sessions[session_id]
+        self._discard_idle(session_id)
+        session.tree.extend(0, new)
+        self.session_stats.session_extends += 1
+        self.session_stats.extended_tokens += len(new)
+        self._held[session_id] = rid
+        tree = session.tree
+        self._requests[rid] = _Request(tree=tree, prompt_len=len(tree.tokens(0)), session_id=session_id)
+
+    def session_tokens(self, session_id: Hashable) -> list[int]:
+        """A copy of an idle session's tokens (its last prompt + output)."""
+        session = self._sessions.get(session_id)
+        if session is None:
+            raise ValueError(f"session {session_id!r} is not held idle by the cache")
+        return list(session.tree.tokens(0))
 
     def extend(self, rid: Hashable, token_ids: Sequence[int]) -> None:
         """Append generated tokens to a live request."""
@@ -111,17 +252,92 @@ class SuffixCache:
         return req.tree.tokens(0)[req.prompt_len:]
 
     def stop_request(self, rid: Hashable) -> None:
-        """End a request; its output joins the global tree (evicting as needed)."""
+        """End a request; its output joins the global tree (evicting as needed).
+
+        A request of a session leaves its tree (prompt + output) to the session,
+        for the session's next request to continue.
+        """
         req = self._requests.pop(rid, None)
         if req is None:
             raise ValueError(f"request {rid!r} is not active")
         response = req.tree.tokens(0)[req.prompt_len:]
+        if req.session_id is not None:
+            self._park(rid, req)
         if self.max_cached_requests == 0 or not response:
             return
         if rid in self._cached:
             self.evict(rid)
         self._insert(rid, response)
 
+    # ---------------------------------------------------------------- sessions
+    @property
+    def sessions(self) -> list[Hashable]:
+        """Sessions the cache holds: idle ones (least recently used first), then those in use."""
+        return list(self._sessions) + [s for s in self._held if s not in self._sessions]
+
+    @property
+    def session_bytes(self) -> int:
+        """Estimated memory of the idle sessions' trees (what `max_session_bytes` caps)."""
+        return self._session_bytes
+
+    def end_session(self, session_id: Hashable) -> None:
+        """Forget a session now; a live request of it keeps its tree until it stops, then drops it."""
+        live = [req for req in self._requests.values() if req.session_id == session_id]
+        if session_id not in self._sessions and not live:
+            raise ValueError(f"session {session_id!r} is not held by the cache")
+        self._discard_idle(session_id)
+        self._held.pop(session_id, None)
+        for req in live:
+            req.session_id = None
+        self.session_stats.sessions_ended += 1
+
+    def expire_sessions(self) -> int:
+        """End sessions idle longer than `session_idle_s` now; returns how many ended."""
+        return self._expire(self.clock())
+
+    def _discard_idle(self, session_id: Hashable) -> None:
+        session = self._sessions.pop(session_id, None)
+        if session is not None:
+            self._session_bytes -= session.bytes
+
+    def _park(self, rid: Hashable, req: _Request) -> None:
+        """Keep a stopped request's tree as its session's state (the latest stop wins)."""
+        session_id = req.session_id
+        if self._held.get(session_id) == rid:
+            del self._held[session_id]
+        self._discard_idle(session_id)
+        size = _tree_bytes(req.tree)
+        self._sessions[session_id] = _Session(tree=req.tree, last_used=self.clock(), bytes=size)
+        self._session_bytes += size
+        self._expire(self._sessions[session_id].last_used)
+        self._enforce_session_limits()
+
+    def _expire(self, now: float) -> int:
+        if self.session_idle_s is None:
+            return 0
+        expired = 0
+        while self._sessions:
+            session_id, session = next(iter(self._sessions.items()))
+            if now - session.last_used <= self.session_idle_s:
+                break  # least recently used first: the rest are fresher
+            del self._sessions[session_id]
+            self._session_bytes -= session.bytes
+            expired += 1
+        self.session_stats.sessions_expired += expired
+        return expired
+
+    def _enforce_session_limits(self) -> None:
+        def over() -> bool:
+            if self.max_sessions is not None and len(self._sessions) > self.max_sessions:
+                return True
+            return self.max_session_bytes is not None and self._session_bytes > self.max_session_bytes
+
+        while self._sessions and over():
+            _, session = self._sessions.popitem(last=False)
+            self._session_bytes -= session.bytes
+            self.session_stats.sessions_evicted += 1
+
+    # ------------------------------------------------------------ global tree
     def _insert(self, rid: Hashable, response: Sequence[int]) -> None:
         seq_id = self._next_seq_id
         self._next_seq_id += 1
@@ -151,8 +367,7 @@ class SuffixCache:
     @property
     def estimated_bytes(self) -> int:
         """Estimated memory of the global tree."""
-        tree = self.global_tree
-        return tree.num_nodes * NODE_BYTES + tree.num_tokens * TOKEN_BYTES
+        return _tree_bytes(self.global_tree)
 
     # ----------------------------------------------------------------- drafting
     def speculate(
@@ -175,36 +390,75 @@ class SuffixCache:
         is matched from scratch.
         """
         req = self._request(rid)
-        if max_tokens < 0:
-            raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
-        if not 0.0 <= min_token_prob <= 1.0:
-            raise ValueError(f"min_token_prob must be in [0, 1], got {min_token_prob}")
-        if max_spec_factor < 0:
-            raise ValueError(f"max_spec_factor must be >= 0, got {max_spec_factor}")
+        _check_draft_args(max_tokens, max_spec_factor, min_token_prob)
         if not context or max_tokens == 0:
             return Draft(source="suffix")
-        window = self.max_depth - 1
-        own = req.tree.tokens(0)
-        is_own = len(context) == len(own) and list(context[-window:]) == own[-window:]
+        is_own = self._is_own(req, context)
         params = (max_tokens, max_spec_factor, max_spec_offset, min_token_prob, tree)
-
         local_positions = req.tree.live_positions(0) if is_own else req.tree.match_positions(context)
         best = req.tree.speculate(local_positions, *params)
         best.source = "suffix-local"
-
         if self._cached:
-            gtree = self.global_tree
-            if is_own and req.global_version == gtree.version:
-                positions = req.global_positions
-            else:
-                positions = gtree.match_positions(context)
-                if is_own:
-                    req.global_positions, req.global_version = positions, gtree.version
-            draft = gtree.speculate(positions, *params)
+            draft = self.global_tree.speculate(self._global_positions(req, context, is_own), *params)
             if draft.score > best.score:
                 draft.source = "suffix-global"
                 best = draft
         return best
+
+    def speculate_sources(
+        self,
+        rid: Hashable,
+        context: Sequence[int],
+        max_tokens: int = 16,
+        max_spec_factor: float = 1.0,
+        max_spec_offset: float = 0.0,
+        min_token_prob: float = 0.1,
+        tree: bool = True,
+        alternatives: int = 3,
+    ) -> dict[str, Draft]:
+        """Each source's own draft, for drafters that combine them instead of picking one.
+
+        - "recent": what followed the most recent earlier occurrence of the longest
+          match in the request's own prompt + output (a chain of up to `max_tokens`
+          tokens, not limited by the match length).
+        - "alt": up to `alternatives` other copies (older occurrences, shorter
+          matches) as one tree of chains (`SuffixTree.recent_alternatives`).
+        - "local": SuffixDecoding's frequency draft from the request's own tree.
+        - "global": SuffixDecoding's frequency draft from earlier outputs.
+        The last two follow `speculate`'s budget rule and probability cut-off.
+        """
+        req = self._request(rid)
+        _check_draft_args(max_tokens, max_spec_factor, min_token_prob)
+        if not context or max_tokens == 0:
+            return {name: Draft(source=name) for name in ("recent", "alt", "local", "global")}
+        is_own = self._is_own(req, context)
+        params = (max_tokens, max_spec_factor, max_spec_offset, min_token_prob, tree)
+        local_positions = req.tree.live_positions(0) if is_own else req.tree.match_positions(context)
+        recent = req.tree.recent_draft(local_positions, max_tokens)
+        alt = _tree_of_chains(req.tree.recent_alternatives(local_positions, max_tokens, alternatives), "alt")
+        local = req.tree.speculate(local_positions, *params)
+        local.source = "local"
+        if self._cached:
+            glob = self.global_tree.speculate(self._global_positions(req, context, is_own), *params)
+        else:
+            glob = Draft()
+        glob.source = "global"
+        return {"recent": recent, "alt": alt, "local": local, "global": glob}
+
+    def _is_own(self, req: _Request, context: Sequence[int]) -> bool:
+        """Whether `context` is the request's own prompt + output (so positions are incremental)."""
+        window = self.max_depth - 1
+        own = req.tree.tokens(0)
+        return len(context) == len(own) and list(context[-window:]) == own[-window:]
+
+    def _global_positions(self, req: _Request, context: Sequence[int], is_own: bool) -> list[Position]:
+        gtree = self.global_tree
+        if is_own and req.global_version == gtree.version:
+            return req.global_positions
+        positions = gtree.match_positions(context)
+        if is_own:
+            req.global_positions, req.global_version = positions, gtree.version
+        return positions
 
     def _request(self, rid: Hashable) -> _Request:
         req = self._requests.get(rid)
@@ -214,11 +468,14 @@ class SuffixCache:
 
     # -------------------------------------------------------------- persistence
     def save(self, path: str | os.PathLike) -> None:
-        """Write the global cache (config and cached responses, oldest first).
+        """Write the cache: config, cached responses (oldest first), then idle sessions (least recent first).
 
-        The file is a JSON header line followed by the responses' tokens as
-        little-endian int32. It is written to a temporary name and renamed, so a
-        crash never leaves a truncated cache behind.
+        The file is a JSON header line followed by the responses' and the sessions'
+        tokens as little-endian int32. A session is saved as its tokens (last prompt
+        + output) and rebuilt on load; sessions whose tree a live request holds are
+        not saved (they are mid-turn). Request and session ids must be JSON values.
+        The file is written to a temporary name and renamed, so a crash never leaves
+        a truncated cache behind.
         """
         path = Path(path)
         rids, lengths, tokens = [], [], array.array("i")
@@ -227,19 +484,19 @@ class SuffixCache:
             rids.append(rid)
             lengths.append(len(seq))
             tokens.extend(seq)
-        header = {
-            "format": _FILE_MAGIC,
-            "version": _FILE_VERSION,
-            "max_depth": self.max_depth,
-            "max_cached_requests": self.max_cached_requests,
-            "max_memory_bytes": self.max_memory_bytes,
-            "request_ids": rids,
-            "lengths": lengths,
-        }
+        session_ids, session_lengths = [], []
+        for session_id, session in self._sessions.items():
+            seq = session.tree.tokens(0)
+            session_ids.append(session_id)
+            session_lengths.append(len(seq))
+            tokens.extend(seq)
+        header: dict[str, Any] = {"format": _FILE_MAGIC, "version": _FILE_VERSION}
+        header.update({key: getattr(self, key) for key in _CONFIG_KEYS})
+        header.update(request_ids=rids, lengths=lengths, session_ids=session_ids, session_lengths=session_lengths)
         try:
             header_line = json.dumps(header).encode() + b"\n"
         except TypeError as exc:
-            raise ValueError(f"cached request ids must be JSON values to be saved: {exc}") from None
+            raise ValueError(f"cached request and session ids must be JSON values to be saved: {exc}") from None
         if array.array("i").itemsize != 4:  # pragma: no cover - every CPython platform we run on
             raise RuntimeError("int32 arrays are required to save a suffix cache")
         if sys.byteorder != "little":  # pragma: no cover
@@ -251,8 +508,12 @@ class SuffixCache:
         os.replace(tmp, path)
 
     @classmethod
-    def load(cls, path: str | os.PathLike, **overrides: int | None) -> SuffixCache:
-        """Rebuild a cache written by `save`; keyword arguments override its config."""
+    def load(cls, path: str | os.PathLike, **overrides: Any) -> SuffixCache:
+        """Rebuild a cache written by `save`; keyword arguments override its config (and set `clock`).
+
+        Loaded sessions count as used at load time (idle clocks do not survive a
+        restart). JSON stores tuple ids as lists; they come back as tuples.
+        """
         path = Path(path)
         with open(path, "rb") as fh:
             header_line = fh.readline()
@@ -263,23 +524,100 @@ class SuffixCache:
             raise ValueError(f"{path} is not a thinkahead suffix cache file") from None
         if not isinstance(header, dict) or header.get("format") != _FILE_MAGIC:
             raise ValueError(f"{path} is not a thinkahead suffix cache file")
-        if header.get("version") != _FILE_VERSION:
+        if header.get("version") not in (1, _FILE_VERSION):
             raise ValueError(f"{path}: unsupported suffix cache version {header.get('version')!r}")
         tokens = array.array("i")
         tokens.frombytes(payload)
         if sys.byteorder != "little":  # pragma: no cover
             tokens.byteswap()
         lengths = header["lengths"]
-        if sum(lengths) != len(tokens) or len(lengths) != len(header["request_ids"]):
+        session_ids = header.get("session_ids", [])
+        session_lengths = header.get("session_lengths", [])
+        if (
+            sum(lengths) + sum(session_lengths) != len(tokens)
+            or len(lengths) != len(header["request_ids"])
+            or len(session_lengths) != len(session_ids)
+        ):
             raise ValueError(f"{path} is truncated or corrupt: lengths do not match the tokens")
-        config = {k: header[k] for k in ("max_depth", "max_cached_requests", "max_memory_bytes")}
+        config = {k: header[k] for k in _CONFIG_KEYS if k in header}
         config.update(overrides)
         cache = cls(**config)
         offset = 0
         for rid, n in zip(header["request_ids"], lengths):
-            cache._insert(rid, tokens[offset:offset + n].tolist())
+            cache._insert(_hashable(rid), tokens[offset:offset + n].tolist())
             offset += n
+        if cache.max_sessions != 0:
+            now = cache.clock()
+            for session_id, n in zip(session_ids, session_lengths):
+                tree = _build(cache.max_depth, tokens[offset:offset + n].tolist())
+                size = _tree_bytes(tree)
+                cache._sessions[_hashable(session_id)] = _Session(tree=tree, last_used=now, bytes=size)
+                cache._session_bytes += size
+                offset += n
+            cache._enforce_session_limits()
         return cache
+
+
+def _hashable(value: Any) -> Hashable:
+    """A JSON-decoded id with lists turned back into tuples."""
+    return tuple(_hashable(v) for v in value) if isinstance(value, list) else value
+
+
+def _check_draft_args(max_tokens: int, max_spec_factor: float, min_token_prob: float) -> None:
+    if max_tokens < 0:
+        raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+    if not 0.0 <= min_token_prob <= 1.0:
+        raise ValueError(f"min_token_prob must be in [0, 1], got {min_token_prob}")
+    if max_spec_factor < 0:
+        raise ValueError(f"max_spec_factor must be >= 0, got {max_spec_factor}")
+
+
+def _tree_of_chains(chains: list[tuple[int, list[int]]], source: str) -> Draft:
+    """One draft tree holding every chain (shared prefixes merged); match_len is the longest chain's match."""
+    index: dict[tuple[int, int], int] = {}
+    tokens: list[int] = []
+    parents: list[int] = []
+    for _, chain in chains:
+        node = -1
+        for token in chain:
+            nxt = index.get((node, token))
+            if nxt is None:
+                nxt = index[(node, token)] = len(tokens)
+                tokens.append(token)
+                parents.append(node)
+            node = nxt
+    probs = [1.0] * len(tokens)
+    match_len = max((m for m, _ in chains), default=0)
+    return Draft(
+        token_ids=tokens, parents=parents, probs=probs, score=float(len(tokens)), match_len=match_len, source=source
+    )
+
+
+def _build(max_depth: int, tokens: list[int]) -> SuffixTree:
+    """A request tree (one live sequence, id 0) over `tokens`."""
+    tree = SuffixTree(max_depth)
+    tree.extend(0, tokens)
+    return tree
+
+
+def _tree_bytes(tree: SuffixTree) -> int:
+    """Estimated memory of a tree (see NODE_BYTES, TOKEN_BYTES)."""
+    return tree.num_nodes * NODE_BYTES + tree.num_tokens * TOKEN_BYTES
+
+
+def prompt_extension(old: list[int], prompt_ids: Sequence[int]) -> list[int] | None:
+    """The checked tokens `prompt_ids` adds after `old`, or None when it does not start with `old`.
+
+    A list prompt is compared by value in one C-level list comparison (the old
+    prefix was checked when it was first added), so only the new tokens are
+    converted; other sequences (tuples, arrays) are converted whole first.
+    """
+    n = len(old)
+    if not isinstance(prompt_ids, list):
+        prompt_ids = _checked_tokens(prompt_ids, "prompt_ids")
+    if len(prompt_ids) < n or prompt_ids[:n] != old:
+        return None
+    return _checked_tokens(prompt_ids[n:], "prompt_ids")
 
 
 def _checked_tokens(token_ids: Sequence[int], what: str) -> list[int]:

@@ -17,6 +17,11 @@ Why this shape, in pure Python:
 - Matching a context's tail for every match length is read-only and
   incremental (`advance_positions`), so a caller that follows a growing
   sequence never re-matches from the root.
+- Every node remembers where its two most recent occurrences end (`last`,
+  `prev`: indices into the sequence), kept exact through splits and merges. In a
+  tree over one sequence (a request's prompt + output) this turns any match into
+  "copy what followed the most recent earlier occurrence" (`recent_draft`), the
+  prompt-lookup draft with the longest match, at no extra search cost.
 """
 
 from __future__ import annotations
@@ -35,15 +40,19 @@ _EPS = 1e-6  # floor(match_len * factor + offset) tolerant to float error, as Ar
 class _Node:
     """One path-compressed edge and the node it leads to."""
 
-    __slots__ = ("count", "children", "best", "seq", "start", "length")
+    __slots__ = ("count", "children", "best", "seq", "start", "length", "last", "prev")
 
-    def __init__(self, seq: list[int], start: int, length: int, count: int) -> None:
+    def __init__(self, seq: list[int], start: int, length: int, count: int, last: int = -1) -> None:
         self.count = count
         self.children: dict[int, _Node] | None = None
         self.best: _Node | None = None  # the child with the highest count
         self.seq = seq
         self.start = start
         self.length = length
+        # Sequence index of the token at this node's end in its most recent and its
+        # second most recent occurrence (-1: none). Meaningful in single-sequence trees.
+        self.last = last
+        self.prev = -1
 
 
 class _LiveSequence:
@@ -115,70 +124,99 @@ class SuffixTree:
         self.finish(seq_id)
 
     def _append(self, live: _LiveSequence, token: int) -> None:
+        """Append one token: every open suffix (and a new one at the root) moves one token down.
+
+        This is the hot loop of the cache (about max_depth steps per token), so the
+        step is written out inline rather than as a method call per suffix.
+        """
         seq = live.tokens
         index = len(seq)
         seq.append(token)
         root = self.root
         root.count += 1
-        advanced = [self._advance(node, token, seq, index) for node in live.cursors]
-        advanced.append(self._advance(root, token, seq, index))
+        advanced: list[_Node] = []
+        keep = advanced.append
+        live.cursors.append(root)  # the new one-token suffix starts at the root
+        for node in live.cursors:
+            children = node.children
+            if children is None:
+                if node.count == 1 and node.seq is seq and node.start + node.length == index:
+                    node.length += 1  # our own leaf (unique text so far): grow it in place
+                    node.last = index  # its only occurrence now ends here
+                    keep(node)
+                    continue
+                leaf = _Node(seq, index, 1, 1, index)
+                node.children = {token: leaf}
+                node.best = leaf
+                self.num_nodes += 1
+                keep(leaf)
+                continue
+            child = children.get(token)
+            if child is None:
+                leaf = _Node(seq, index, 1, 1, index)
+                children[token] = leaf
+                self.num_nodes += 1
+                keep(leaf)
+                continue
+            if child.length > 1:
+                if (
+                    len(children) == 1
+                    and node.count == child.count + 1
+                    and child.seq is node.seq
+                    and node.start + node.length == child.start
+                    and node is not root
+                ):
+                    # The split below would be merged right back (every suffix through
+                    # `node` continues into the child's first token): move that token
+                    # from the child's edge to ours instead. Repeated text walks this way.
+                    child.start += 1
+                    child.length -= 1
+                    node.length += 1
+                    node.children = {child.seq[child.start]: child}
+                    node.prev = child.last - child.length
+                    node.last = index
+                    keep(node)
+                    continue
+                # Split off the first token; the original object keeps the lower part
+                # (and its children), so cursors at its end stay valid.
+                upper = _Node(child.seq, child.start, 1, child.count)
+                child.start += 1
+                child.length -= 1
+                # Every occurrence of `upper` continues through all of `child`.
+                upper.last = child.last - child.length
+                upper.prev = child.prev - child.length if child.prev >= 0 else -1
+                upper.children = {child.seq[child.start]: child}
+                upper.best = child
+                children[token] = upper
+                if node.best is child:
+                    node.best = upper
+                self.num_nodes += 1
+                child = upper
+            child.count += 1
+            child.prev = child.last  # each landing is a new occurrence, in sequence order
+            child.last = index
+            best = node.best
+            if best is not child and child.count > best.count:
+                node.best = child
+            if (
+                node is not root
+                and node.count == child.count
+                and len(children) == 1
+                and child.seq is node.seq
+                and node.start + node.length == child.start
+            ):
+                # Every suffix through `node` continues into `child`: one edge again.
+                node.length += child.length
+                node.children = child.children
+                node.best = child.best
+                node.last, node.prev = child.last, child.prev
+                self.num_nodes -= 1
+                keep(node)
+                continue
+            keep(child)
         if len(advanced) >= self.max_depth:
             del advanced[0]  # that suffix just reached max_depth: it is complete
         live.cursors = advanced
-
-    def _advance(self, node: _Node, token: int, seq: list[int], index: int) -> _Node:
-        """Count one more suffix through `node` + token; return the node it ends at."""
-        children = node.children
-        child = children.get(token) if children is not None else None
-        if child is None:
-            if (
-                children is None
-                and node.count == 1
-                and node.seq is seq
-                and node.start + node.length == index
-                and node is not self.root
-            ):
-                node.length += 1  # our own leaf: grow it in place
-                return node
-            leaf = _Node(seq, index, 1, 1)
-            if children is None:
-                node.children = {token: leaf}
-                node.best = leaf
-            else:
-                children[token] = leaf
-            self.num_nodes += 1
-            return leaf
-        if child.length > 1:
-            # Split off the first token; the original object keeps the lower part
-            # (and its children), so cursors at its end stay valid.
-            upper = _Node(child.seq, child.start, 1, child.count)
-            child.start += 1
-            child.length -= 1
-            upper.children = {child.seq[child.start]: child}
-            upper.best = child
-            children[token] = upper
-            if node.best is child:
-                node.best = upper
-            self.num_nodes += 1
-            child = upper
-        child.count += 1
-        best = node.best
-        if best is not child and child.count > best.count:
-            node.best = child
-        if (
-            node is not self.root
-            and node.count == child.count
-            and len(children) == 1
-            and child.seq is node.seq
-            and node.start + node.length == child.start
-        ):
-            # Every suffix through `node` continues into `child`: one edge again.
-            node.length += child.length
-            node.children = child.children
-            node.best = child.best
-            self.num_nodes -= 1
-            return node
-        return child
 
     def remove(self, seq_id: int) -> None:
         """Remove a finished sequence and every count it contributed."""
@@ -287,6 +325,72 @@ class SuffixTree:
         return [(node, node.length) for node in reversed(self._live[seq_id].cursors)]
 
     # ----------------------------------------------------------------- drafting
+    def recent_draft(self, positions: list[Position], max_tokens: int, min_match: int = 1) -> Draft:
+        """Copy what followed the most recent earlier occurrence of the longest match.
+
+        Prompt lookup with the longest context match the tree can see (up to
+        `max_depth - 1` tokens) and a preference for the most recent occurrence:
+        in agent loops the latest copy of a file or message is the one being
+        edited. An occurrence counts when something follows it, so a context's
+        own tail (always the latest occurrence of itself) is skipped. The chain
+        is read from the sequence, so it can run past `max_depth`. Only defined
+        for a tree holding exactly one sequence (a request's own tree).
+        """
+        if len(self._live) + len(self._done) != 1:
+            raise ValueError("recent_draft needs a tree over exactly one sequence")
+        if max_tokens <= 0:
+            return Draft(source="recent")
+        seq = next(iter(self._live.values())).tokens if self._live else next(iter(self._done.values()))
+        n = len(seq)
+        for m in range(len(positions), max(min_match, 1) - 1, -1):
+            node, off = positions[m - 1]
+            back = node.length - off  # tokens of the edge beyond the match
+            end = node.last - back  # index of the match's last token, most recent occurrence
+            if end + 1 >= n:
+                if node.prev < 0:
+                    continue  # the context's own tail is the only occurrence
+                end = node.prev - back
+            tokens = seq[end + 1:end + 1 + max_tokens]
+            return Draft.chain(tokens, match_len=m, source="recent")
+        return Draft(source="recent")
+
+    def recent_alternatives(
+        self, positions: list[Position], max_tokens: int, count: int
+    ) -> list[tuple[int, list[int]]]:
+        """Up to `count` other copies worth drafting besides `recent_draft`'s, as (match length, chain).
+
+        Walking from the longest match down, each match length offers its two
+        most recent occurrences; those with a continuation, other than the
+        context's own tail and the occurrences already taken (the first one is
+        `recent_draft`'s own), give a chain each. Text that was edited since its
+        last copy (a changed line, a renamed variable) is then still drafted from
+        the older copy or from a shorter match after the edit.
+        """
+        if len(self._live) + len(self._done) != 1:
+            raise ValueError("recent_alternatives needs a tree over exactly one sequence")
+        if max_tokens <= 0 or count <= 0:
+            return []
+        seq = next(iter(self._live.values())).tokens if self._live else next(iter(self._done.values()))
+        n = len(seq)
+        seen: set[int] = set()
+        chains: list[tuple[int, list[int]]] = []
+        primary = True
+        for m in range(len(positions), 0, -1):
+            node, off = positions[m - 1]
+            back = node.length - off
+            for occurrence in (node.last, node.prev):
+                end = occurrence - back
+                if occurrence < 0 or end + 1 >= n or end in seen:
+                    continue
+                seen.add(end)
+                if primary:  # recent_draft's copy
+                    primary = False
+                    continue
+                chains.append((m, seq[end + 1:end + 1 + max_tokens]))
+                if len(chains) >= count:
+                    return chains
+        return chains
+
     def speculate(
         self,
         positions: list[Position],

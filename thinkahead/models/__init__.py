@@ -4,7 +4,7 @@ from thinkahead.models.base import Completion, GenerationRequest, LanguageModel,
 from thinkahead.models.scripted import ScriptedModel
 
 __all__ = [
-    "Completion", "GenerationRequest", "LanguageModel", "LocalModel", "OpenAIModel", "ScriptedModel",
+    "Completion", "GenerationRequest", "LanguageModel", "LocalModel", "OpenAIModel", "SGLangModel", "ScriptedModel",
     "load_model", "render_chat", "render_plain",
 ]
 
@@ -19,6 +19,10 @@ def __getattr__(name: str):
         from thinkahead.models.openai import OpenAIModel
 
         return OpenAIModel
+    if name == "SGLangModel":
+        from thinkahead.models.sglang import SGLangModel
+
+        return SGLangModel
     if name == "load_model":
         from thinkahead.models.loader import load_model
 

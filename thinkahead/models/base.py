@@ -31,6 +31,7 @@ class GenerationRequest:
     seed: int | None = None
     request_id: str | None = None
     speculative: bool = True  # token-level speculation (lossless); off gives the plain baseline
+    session_id: str | None = None  # an agent session: this prompt extends the session's last one
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):
@@ -95,6 +96,9 @@ class LanguageModel(abc.ABC):
     def count_tokens(self, text: str) -> int:
         """Tokens in `text` (an estimate where the backend has no tokenizer)."""
         return max(1, len(text) // 4) if text else 0
+
+    async def end_session(self, session_id: str) -> None:
+        """Forget what the backend keeps for an agent session; the default keeps nothing."""
 
     async def aclose(self) -> None:
         """Release connections or memory; the default holds nothing."""

@@ -2,6 +2,8 @@
 
 - a `LanguageModel` instance is used as it is;
 - `openai:MODEL@URL` is any OpenAI-compatible server (`openai:qwen@http://localhost:8000/v1`);
+- `sglang:URL` or `sglang:NAME@URL` is an SGLang server's native API (`sglang:http://localhost:30000`,
+  `sglang:qwq@http://gpu1:30000`; NAME only labels traces), e.g. one that `thinkahead launch` started;
 - everything else is a local transformers model: a registry name, `hf:ORG/NAME`, `gguf:PATH`, a
   model directory or a `.gguf` file (see `thinkahead.model_registry.resolve_model_spec`).
 """
@@ -12,7 +14,8 @@ from typing import Any
 
 from thinkahead.models.base import LanguageModel
 
-REMOTE_PREFIXES = ("openai:",)
+REMOTE_PREFIXES = ("openai:", "sglang:")
+LOCAL_ONLY_OPTIONS = {"dtype", "drafter", "max_draft", "kv_sessions"}  # dropped for remote backends
 
 
 def load_model(spec: str | LanguageModel, **options: Any) -> LanguageModel:
@@ -28,8 +31,17 @@ def load_model(spec: str | LanguageModel, **options: Any) -> LanguageModel:
             raise ValueError(f"bad OpenAI model spec {spec!r}: expected openai:MODEL@http(s)://HOST[:PORT]/v1")
         from thinkahead.models.openai import OpenAIModel
 
-        local_only = {"dtype", "drafter", "max_draft", "kv_sessions"}
-        return OpenAIModel(model, base_url=url, **{k: v for k, v in options.items() if k not in local_only})
+        return OpenAIModel(model, base_url=url, **{k: v for k, v in options.items() if k not in LOCAL_ONLY_OPTIONS})
+    if spec.startswith("sglang:"):
+        name: str | None = None
+        url = spec[len("sglang:"):]
+        if not url.startswith(("http://", "https://")):
+            name, _, url = url.partition("@")
+        if name == "" or not url.startswith(("http://", "https://")) or not url.split("://", 1)[1]:
+            raise ValueError(f"bad SGLang model spec {spec!r}: expected sglang:[NAME@]http(s)://HOST:PORT")
+        from thinkahead.models.sglang import SGLangModel
+
+        return SGLangModel(url, name, **{k: v for k, v in options.items() if k not in LOCAL_ONLY_OPTIONS})
     from thinkahead.model_registry import resolve_model_spec
     from thinkahead.models.local import LocalModel
 

@@ -85,6 +85,13 @@ class LocalModel(LanguageModel):
     def render(self, messages: list[dict[str, str]], continue_final: bool = False) -> str:
         return render_chat(self.tokenizer, messages, continue_final)
 
+    async def end_session(self, session_id: str) -> None:
+        def end() -> None:
+            with self._lock:
+                self.suffix_cache.end_session(session_id)
+
+        await asyncio.to_thread(end)
+
     def count_tokens(self, text: str) -> int:
         return len(self.encode(text))
 
@@ -104,6 +111,7 @@ class LocalModel(LanguageModel):
                 seed=request.seed,
                 request_id=request.request_id,
                 stop_strings=request.stop,
+                session_id=request.session_id,
             )
         stats = result.stats
         spec = {

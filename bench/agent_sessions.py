@@ -1,0 +1,581 @@
+"""Multi-turn agent sessions in the simulator: drafters compared on the same sessions, session update cost.
+
+The sessions are synthetic but built from real text (GSM8K and HumanEval, read
+from their PyPI packages by bench/offline_data.py) in the shape agent loops have:
+every request's prompt is the previous prompt + the model's output + new
+messages (tool results, user turns), in Qwen's chat format.
+
+  code    a coding agent works through HumanEval tasks in one repository: it
+          writes each function (some with a planted bug), runs the tests, reads
+          the failure, rewrites the function, and now and then re-reads the
+          whole file. Sessions grow to ~50k+ tokens.
+  react   a ReAct agent solves GSM8K problems one after another with a
+          calculator tool: one turn per calculation (the answer's <<a*b=c>>
+          annotations), the observation as the next message.
+
+The assistant outputs are scripted from the data (not sampled from a model), so
+the acceptance figures measure drafting on this workload, not on a model's own
+outputs. Token ids come from the Qwen2.5 tokenizer when its GGUF file is in
+~/.cache/thinkahead/models (converted once and cached as a tokenizer directory
+under ~/.cache/thinkahead/tokenizers), else from a deterministic word tokenizer.
+
+Every drafter replays the same sessions in the same run (`replay_sessions`,
+greedy acceptance against the recorded outputs, drafts of up to --max-draft
+tokens, one bonus token per verify step), with session reuse on: it changes
+only the update cost, never a draft (tests/test_sessions.py). "combined-depth-32"
+is the combined drafter over a cache of max_depth 32 instead of 64: half the
+tree upkeep per token. Then the per-turn cache update at 45k-60k-token prompts
+is timed on the same turns for a continued session (the full prompt with fresh
+int objects; the full prompt sharing the agent's token objects; only the new
+tokens through `SuffixCache.continue_session`) against a rebuild of the prompt.
+
+Writes bench/results/agent_sessions.{json,md}. Run:
+  python bench/agent_sessions.py             # about 2-3 minutes on a laptop core
+  python bench/agent_sessions.py --quick     # a smoke run
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+import argparse
+import array
+import gc
+import json
+import os
+import platform
+import random
+import re
+import statistics
+import sys
+import time
+from typing import Callable, Iterator
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from offline_data import gsm8k, humaneval  # noqa: E402
+
+from thinkahead.token_spec.drafters import CombinedDrafter, PromptLookupDrafter, SuffixDrafter  # noqa: E402
+from thinkahead.token_spec.simulator import SessionReplayStats, Turn, replay_sessions  # noqa: E402
+from thinkahead.token_spec.suffix_cache import SuffixCache  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+CACHE = Path(os.environ.get("THINKAHEAD_HOME") or Path.home() / ".cache" / "thinkahead")
+QWEN_GGUF = CACHE / "models" / "qwen2.5-coder-0.5b" / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+QWEN_DIR = CACHE / "tokenizers" / "qwen2.5-coder"
+
+
+# ------------------------------------------------------------------ tokenizers
+class WordTokenizer:
+    """Deterministic fallback: words, single punctuation marks and whitespace runs, ids in first-seen order."""
+
+    name = "words"
+    _pattern = re.compile(r"<\|[a-z_]+\|>|\w+|[^\w\s]|\s+")
+
+    def __init__(self) -> None:
+        self.vocab: dict[str, int] = {}
+
+    def encode(self, text: str) -> list[int]:
+        vocab = self.vocab
+        return [vocab.setdefault(piece, len(vocab)) for piece in self._pattern.findall(text)]
+
+
+class QwenTokenizer:
+    name = "qwen2.5"
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+
+def load_tokenizer(kind: str) -> WordTokenizer | QwenTokenizer:
+    """The Qwen2.5 tokenizer from the local cache (never downloaded), else the word tokenizer."""
+    if kind == "words":
+        return WordTokenizer()
+    try:
+        from transformers import AutoTokenizer
+
+        if (QWEN_DIR / "tokenizer.json").exists():
+            return QwenTokenizer(AutoTokenizer.from_pretrained(QWEN_DIR))
+        if QWEN_GGUF.exists():
+            tok = AutoTokenizer.from_pretrained(QWEN_GGUF.parent, gguf_file=QWEN_GGUF.name)
+            QWEN_DIR.mkdir(parents=True, exist_ok=True)
+            tok.save_pretrained(QWEN_DIR)  # converting the GGUF vocabulary takes ~25 s: do it once
+            return QwenTokenizer(tok)
+    except Exception as exc:  # an unreadable file must not stop the benchmark
+        print(f"Qwen tokenizer unavailable ({exc}); using the word tokenizer", file=sys.stderr)
+    if kind == "qwen":
+        raise SystemExit("the Qwen tokenizer was asked for but is not in the local cache")
+    return WordTokenizer()
+
+
+# -------------------------------------------------------------------- sessions
+@dataclass(slots=True)
+class RecordedSession:
+    """A session stored compactly: its final token sequence and where each turn's prompt and output end.
+
+    Iterating yields the turns with fresh int objects for every prompt, as a
+    server that re-tokenizes the conversation each turn would see them.
+    """
+
+    workload: str
+    tokens: array.array = field(default_factory=lambda: array.array("i"))
+    turns: list[tuple[int, int]] = field(default_factory=list)  # (prompt end, output end)
+
+    def __iter__(self) -> Iterator[Turn]:
+        for prompt_end, output_end in self.turns:
+            yield Turn(self.tokens[:prompt_end].tolist(), self.tokens[prompt_end:output_end].tolist())
+
+    def __len__(self) -> int:
+        return len(self.turns)
+
+
+class Conversation:
+    """Builds a session message by message in Qwen's chat format."""
+
+    def __init__(self, tok, workload: str, system: str) -> None:
+        self.tok = tok
+        self.session = RecordedSession(workload)
+        self._after_output = False
+        self.message("system", system)
+
+    def message(self, role: str, content: str) -> None:
+        """A message the agent receives (system, user or tool): new prompt tokens."""
+        text = f"<|im_start|>{role}\n{content}<|im_end|>\n"
+        if self._after_output:
+            text = "\n" + text
+            self._after_output = False
+        self.session.tokens.extend(self.tok.encode(text))
+
+    def reply(self, content: str) -> None:
+        """One request: the prompt so far + the assistant header, and `content` as its output."""
+        if self._after_output:
+            self.session.tokens.extend(self.tok.encode("\n"))
+        self.session.tokens.extend(self.tok.encode("<|im_start|>assistant\n"))
+        prompt_end = len(self.session.tokens)
+        self.session.tokens.extend(self.tok.encode(content) + self.tok.encode("<|im_end|>"))
+        self.session.turns.append((prompt_end, len(self.session.tokens)))
+        self._after_output = True
+
+
+CODE_SYSTEM = """You are a coding agent working in a Python repository. You complete programming tasks by calling \
+tools, one tool call per message, and you keep going until the tests pass.
+
+Tools:
+- read_file: show a file. Arguments: path.
+- write_file: replace a function in a file, or add it if it is missing. Arguments: path, content (the complete \
+function, with its imports, signature and docstring).
+- run_tests: run the tests of one task and show pytest's report. Arguments: path.
+
+Call a tool like this, and write nothing after the call:
+<tool>write_file</tool>
+<path>solution.py</path>
+<content>
+def example(x: int) -> int:
+    return x + 1
+</content>
+
+Rules:
+1. Keep the signature and the docstring of every function exactly as the task gives them.
+2. Write plain Python 3 with the standard library only.
+3. After writing a function, always run its tests. If a test fails, read the report, explain the cause in one or \
+two sentences, and write the corrected function in full.
+4. Do not change functions that belong to other tasks.
+5. When the tests pass, say that the task is done in one sentence and wait for the next task.
+"""
+
+REACT_SYSTEM = """You are a careful math assistant that solves word problems step by step. You can use one tool:
+- calculator: evaluates an arithmetic expression with + - * / ( ) and returns the number.
+
+Use this format:
+Thought: what you know and what to compute next
+Action: calculator
+Action Input: the expression
+Then wait for the Observation. Repeat Thought/Action/Action Input as needed. When you know the answer, write:
+Thought: the final reasoning step
+Final Answer: the number
+
+Example:
+Question: Tom has 3 boxes with 12 pencils each. He gives away 10 pencils. How many are left?
+Thought: Tom has 3 boxes of 12 pencils, so he has 3*12 pencils.
+Action: calculator
+Action Input: 3*12
+Observation: 36
+Thought: He gives away 10 of the 36 pencils, so 36-10 are left.
+Action: calculator
+Action Input: 36-10
+Observation: 26
+Thought: 26 pencils are left.
+Final Answer: 26
+"""
+
+WRITE_CALL = "<tool>write_file</tool>\n<path>solution.py</path>\n<content>\n"
+
+_BUGS = [
+    ("<=", "<"), (" < ", " <= "), (">=", ">"), (" > ", " >= "), ("+ 1", "- 1"), ("== ", "!= "),
+    ("True", "False"), ("[1:]", "[2:]"), ("0", "1"),
+]
+
+
+def plant_bug(code: str) -> tuple[str, str] | None:
+    """A plausible one-character-class bug in `code`, and the operator it broke; None if none applies."""
+    for old, new in _BUGS:
+        if old in code:
+            return code.replace(old, new, 1), old.strip()
+    return None
+
+
+def coding_session(tok, tasks: list[dict], rng: random.Random, read_every: int = 3) -> RecordedSession:
+    conv = Conversation(tok, "code", CODE_SYSTEM)
+    written: list[str] = []
+    for k, task in enumerate(tasks):
+        entry, spec = task["entry_point"], task["prompt"]
+        code = spec + task["canonical_solution"].rstrip() + "\n"
+        conv.message("user", f"Task {k + 1}: add the function `{entry}` to solution.py.\n```python\n{spec}```")
+        bug = plant_bug(task["canonical_solution"]) if rng.random() < 0.5 else None
+        first = spec + bug[0].rstrip() + "\n" if bug else code
+        intro = rng.choice(["I'll implement", "Let me write", "Implementing"])
+        conv.reply(f"{intro} `{entry}`.\n{WRITE_CALL}{first}</content>")
+        conv.message("tool", f"Wrote {first.count(chr(10))} lines to solution.py.")
+        conv.reply(f"<tool>run_tests</tool>\n<path>tests/test_{entry}.py</path>")
+        test_src = task["test"].strip()
+        if bug:
+            failing = next((line for line in test_src.splitlines() if "assert" in line), "assert False")
+            report = (
+                f"============================= test session starts ==============================\n"
+                f"collected 1 item\n\ntests/test_{entry}.py F\n\n{'=' * 35} FAILURES {'=' * 35}\n"
+                f"____________________________________ test_{entry} ____________________________________\n\n"
+                f"{test_src}\n\n>   {failing.strip()}\nE   AssertionError\n\n"
+                f"tests/test_{entry}.py:{rng.randint(8, 40)}: AssertionError\n"
+                f"=========================== short test summary info ============================\n"
+                f"FAILED tests/test_{entry}.py::test_{entry} - AssertionError\n"
+                f"{'=' * 30} 1 failed in 0.0{rng.randint(1, 9)}s {'=' * 30}"
+            )
+            conv.message("tool", report)
+            conv.reply(
+                f"The test fails because the `{bug[1]}` in `{entry}` is wrong. Here is the corrected function.\n"
+                f"{WRITE_CALL}{code}</content>"
+            )
+            conv.message("tool", f"Wrote {code.count(chr(10))} lines to solution.py.")
+            conv.reply(f"<tool>run_tests</tool>\n<path>tests/test_{entry}.py</path>")
+        conv.message(
+            "tool",
+            f"============================= test session starts ==============================\ncollected 1 item\n\n"
+            f"tests/test_{entry}.py .\n\n{'=' * 30} 1 passed in 0.0{rng.randint(1, 9)}s {'=' * 30}",
+        )
+        conv.reply(f"The tests pass: `{entry}` is done.")
+        written.append(code)
+        if (k + 1) % read_every == 0:
+            conv.message("user", "Show me the current solution.py.")
+            conv.reply("<tool>read_file</tool>\n<path>solution.py</path>")
+            conv.message("tool", "\n\n".join(written))
+            conv.reply(f"solution.py now holds {len(written)} functions, all with passing tests.")
+    return conv.session
+
+
+def react_session(tok, problems: list[dict]) -> RecordedSession:
+    conv = Conversation(tok, "react", REACT_SYSTEM)
+    for problem in problems:
+        conv.message("user", f"Question: {problem['question']}")
+        lines = [line.strip() for line in problem["answer"].split("\n") if line.strip()]
+        final = lines[-1].replace("####", "").strip()
+        pending: list[str] = []
+        for line in lines[:-1]:
+            calc = re.search(r"<<([^=<>]+)=([^<>]+)>>", line)
+            if calc is None:
+                pending.append(line)
+                continue
+            thought = " ".join(pending + [re.sub(r"<<[^<>]*>>[^\s]*", "", line).strip()])
+            pending = []
+            conv.reply(f"Thought: {thought}\nAction: calculator\nAction Input: {calc.group(1)}")
+            conv.message("tool", f"Observation: {calc.group(2)}")
+        thought = " ".join(pending) or f"The answer is {final}."
+        conv.reply(f"Thought: {thought}\nFinal Answer: {final}")
+    return conv.session
+
+
+def build_sessions(
+    tok, n_code: int, tasks_per_session: int, n_react: int, problems_per_session: int
+) -> list[RecordedSession]:
+    rng = random.Random(0)
+    tasks, problems = humaneval(), gsm8k()
+    sessions = []
+    for s in range(n_code):
+        picked = [tasks[(s * 37 + k) % len(tasks)] for k in range(tasks_per_session)]
+        sessions.append(coding_session(tok, picked, rng))
+    for s in range(n_react):
+        sessions.append(react_session(tok, problems[s * problems_per_session:(s + 1) * problems_per_session]))
+    order = list(range(len(sessions)))
+    random.Random(1).shuffle(order)  # the agents' sessions arrive mixed, as at a server
+    return [sessions[i] for i in order]
+
+
+# -------------------------------------------------------------------- drafters
+DRAFTERS: dict[str, Callable[[], object]] = {
+    "suffix": lambda: SuffixDrafter(SuffixCache()),  # SuffixDecoding's defaults: chain, factor 1, min prob 0.1
+    "suffix-tree": lambda: SuffixDrafter(SuffixCache(), tree=True),
+    "prompt-lookup-recent-3": lambda: PromptLookupDrafter(max_ngram=3, prefer="last"),
+    "prompt-lookup-recent-8": lambda: PromptLookupDrafter(max_ngram=8, prefer="last"),
+    "combined": lambda: CombinedDrafter(SuffixCache()),
+    "combined-depth-32": lambda: CombinedDrafter(SuffixCache(max_depth=32)),  # half the tree upkeep
+}
+BASELINES = ("suffix", "suffix-tree", "prompt-lookup-recent-3", "prompt-lookup-recent-8")
+
+
+def percentile_ms(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return 1e3 * ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+UPDATE_HOW = {
+    "retokenized": "start_request(full prompt), the prompt's ints new objects (a server re-tokenizing the chat)",
+    "shared": "start_request(full prompt) built as previous prompt + output + new tokens (an agent's token list)",
+    "new-tokens": "continue_session(new tokens only): no comparison of the old prompt",
+}
+# (row name, how the turn starts, the cache's max_depth)
+UPDATE_MODES = [
+    ("retokenized", "retokenized", 64),
+    ("shared", "shared", 64),
+    ("new-tokens", "new-tokens", 64),
+    ("retokenized, max_depth 32", "retokenized", 32),
+    ("new-tokens, max_depth 32", "new-tokens", 32),
+]
+
+
+def update_time_at_long_prompts(sessions: list[RecordedSession], lo: int, hi: int, rebuilds: int) -> dict:
+    """Per-turn `SuffixCache` update for prompts of lo to hi tokens: continued sessions against rebuilds.
+
+    For each row of `UPDATE_MODES`, the sessions that reach `lo` tokens are replayed
+    through a fresh bare cache (prompt, then the output, then stop; one mode at a
+    time, so no other cache's memory is around), and the turns in the window are
+    timed: every mode sees the same turns. A few prompts of the window are then
+    built from scratch on an empty cache.
+    """
+    clock = time.perf_counter
+    timed: dict[str, list[float]] = {}
+    new_tokens: list[int] = []
+    long_prompts: list[list[int]] = []
+    for row, mode, depth in UPDATE_MODES:
+        cache = SuffixCache(max_depth=depth)
+        timed[row] = []
+        for s, session in enumerate(sessions):
+            if session.turns[-1][0] < lo:
+                continue
+            previous: list[int] = []  # prompt + output as this cache got them
+            for t, turn in enumerate(session):
+                rid, sid = ("u", s, t), ("u", s)
+                new = turn.prompt_ids[len(previous):]
+                if mode == "retokenized":
+                    prompt = turn.prompt_ids  # new int objects, as a tokenizer returns them
+                else:
+                    prompt = previous + new
+                t0 = clock()
+                if mode == "new-tokens" and t:
+                    cache.continue_session(rid, sid, new)
+                else:
+                    cache.start_request(rid, prompt, session_id=sid)
+                elapsed = clock() - t0
+                if lo <= len(prompt) < hi:
+                    timed[row].append(elapsed)
+                    if row == "retokenized":
+                        new_tokens.append(len(new))
+                        if len(long_prompts) < rebuilds and t % 5 == 2:
+                            long_prompts.append(turn.prompt_ids)
+                output = list(turn.output_ids)
+                cache.extend(rid, output)
+                cache.stop_request(rid)
+                previous = prompt + output
+        if cache.session_stats.session_rebuilds:
+            raise RuntimeError("a recorded turn does not extend its session: the session builder is broken")
+        del cache
+        gc.collect()
+    rebuild_s = []
+    for k, prompt in enumerate(long_prompts):
+        t0 = clock()
+        SuffixCache().start_request(("rebuild", k), prompt)
+        rebuild_s.append(clock() - t0)
+    out: dict = {
+        "prompt_tokens_range": [lo, hi],
+        "turns": len(new_tokens),
+        "new_tokens_p50": statistics.median(new_tokens) if new_tokens else 0,
+        "new_tokens_max": max(new_tokens, default=0),
+        "modes": {},
+    }
+    for row, mode, depth in UPDATE_MODES:
+        secs = timed[row]
+        out["modes"][row] = {
+            "what": UPDATE_HOW[mode],
+            "max_depth": depth,
+            "update_p50_ms": round(percentile_ms(secs, 0.5), 3),
+            "update_p99_ms": round(percentile_ms(secs, 0.99), 3),
+        }
+    out["rebuild"] = {
+        "turns": len(rebuild_s),
+        "prompt_tokens": [len(p) for p in long_prompts],
+        "update_p50_ms": round(percentile_ms(rebuild_s, 0.5), 1),
+        "us_per_prompt_token": round(1e6 * sum(rebuild_s) / max(1, sum(len(p) for p in long_prompts)), 2),
+    }
+    return out
+
+
+def long_turn_updates(stats: SessionReplayStats, lo: int) -> dict:
+    picked = [(s, n) for s, p, n in zip(stats.update_s, stats.update_prompt_tokens, stats.update_new_tokens) if p >= lo]
+    return {
+        "turns": len(picked),
+        "update_p50_ms": round(percentile_ms([s for s, _ in picked], 0.5), 3),
+        "update_p99_ms": round(percentile_ms([s for s, _ in picked], 0.99), 3),
+        "new_tokens_p50": statistics.median([n for _, n in picked]) if picked else 0,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokenizer", choices=["auto", "qwen", "words"], default="auto")
+    parser.add_argument("--max-draft", type=int, default=32)
+    parser.add_argument("--quick", action="store_true", help="a small smoke run")
+    parser.add_argument("--drafters", nargs="*", default=list(DRAFTERS), choices=list(DRAFTERS))
+    args = parser.parse_args()
+
+    t_start = time.perf_counter()
+    tok = load_tokenizer(args.tokenizer)
+    t_tok = time.perf_counter() - t_start
+    if args.quick:
+        sessions = build_sessions(tok, n_code=1, tasks_per_session=8, n_react=1, problems_per_session=8)
+    else:
+        sessions = build_sessions(tok, n_code=3, tasks_per_session=40, n_react=3, problems_per_session=40)
+    t_build = time.perf_counter() - t_start - t_tok
+    shape = {
+        w: {
+            "sessions": sum(1 for s in sessions if s.workload == w),
+            "turns": sum(len(s) for s in sessions if s.workload == w),
+            "final_prompt_tokens": [s.turns[-1][0] for s in sessions if s.workload == w],
+            "output_tokens": sum(o - p for s in sessions if s.workload == w for p, o in s.turns),
+        }
+        for w in ("code", "react")
+    }
+    print(f"tokenizer {tok.name} ({t_tok:.1f} s), sessions built in {t_build:.1f} s: {json.dumps(shape)}")
+
+    results: dict[str, dict] = {}
+    for name in args.drafters:
+        drafter = DRAFTERS[name]()
+        t0 = time.perf_counter()
+        per_workload: dict[str, SessionReplayStats] = {"code": SessionReplayStats(), "react": SessionReplayStats()}
+        total = SessionReplayStats()
+        for session in sessions:
+            one = replay_sessions(drafter, [session], max_tokens=args.max_draft, tag=name)
+            for target in (per_workload[session.workload], total):
+                _merge(target, one)
+        row = {"all": total.summary(), **{w: s.summary() for w, s in per_workload.items()}}
+        row["long_prompt_turns"] = long_turn_updates(total, 40_000)
+        if isinstance(drafter, CombinedDrafter):
+            row["pooled_rates"] = {s: round(r.rate, 3) for s, r in drafter.pooled.items()}
+        row["replay_s"] = round(time.perf_counter() - t0, 1)
+        results[name] = row
+        print(
+            f"{name:22s} tokens/step all {row['all']['tokens_per_step']:.3f}  code {row['code']['tokens_per_step']:.3f}"
+            f"  react {row['react']['tokens_per_step']:.3f}  update p50 {row['all']['update_p50_ms']:.2f} ms"
+            f" p99 {row['all']['update_p99_ms']:.2f} ms  ({row['replay_s']} s)"
+        )
+
+    del drafter
+    gc.collect()
+    lo, hi = (2_000, 1 << 30) if args.quick else (45_000, 60_000)
+    updates = update_time_at_long_prompts(sessions, lo, hi, rebuilds=1 if args.quick else 3)
+    print(f"update at {lo}-{hi} prompt tokens: {json.dumps(updates)}")
+
+    gain = {}
+    if "combined" in results and any(b in results for b in BASELINES):
+        for w in ("all", "code", "react"):
+            base = max(results[b][w]["tokens_per_step"] for b in BASELINES if b in results)
+            gain[w] = round(results["combined"][w]["tokens_per_step"] / base - 1, 4) if base else 0.0
+    out = {
+        "tokenizer": tok.name,
+        "max_draft": args.max_draft,
+        "quick": args.quick,
+        "workloads": shape,
+        "drafters": results,
+        "combined_gain_over_best_single": gain,
+        "update_at_long_prompts": updates,
+        "platform": {"python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count()},
+        "runtime_s": round(time.perf_counter() - t_start, 1),
+    }
+    RESULTS.mkdir(exist_ok=True)
+    suffix = "_quick" if args.quick else ""
+    (RESULTS / f"agent_sessions{suffix}.json").write_text(json.dumps(out, indent=2) + "\n")
+    (RESULTS / f"agent_sessions{suffix}.md").write_text(markdown(out))
+    print(f"combined vs best single source: {gain}; total {out['runtime_s']} s")
+
+
+def _merge(target: SessionReplayStats, one: SessionReplayStats) -> None:
+    for name in SessionReplayStats.__slots__:
+        value = getattr(one, name)
+        if isinstance(value, list):
+            getattr(target, name).extend(value)
+        else:
+            setattr(target, name, getattr(target, name) + value)
+
+
+def markdown(out: dict) -> str:
+    lines = [
+        "# Agent sessions in the simulator",
+        "",
+        "Synthetic multi-turn sessions built from GSM8K and HumanEval text (scripted outputs, see the script's "
+        f"docstring), tokenizer {out['tokenizer']}, drafts of up to {out['max_draft']} tokens, greedy acceptance, "
+        "one bonus token per verify step. "
+        f"All drafters replay the same sessions in one run ({out['runtime_s']} s in all).",
+        "",
+        "| workload | sessions | turns | final prompt tokens | output tokens |",
+        "|---|---|---|---|---|",
+    ]
+    for w, s in out["workloads"].items():
+        finals = ", ".join(map(str, s["final_prompt_tokens"]))
+        lines.append(f"| {w} | {s['sessions']} | {s['turns']} | {finals} | {s['output_tokens']} |")
+    lines += [
+        "",
+        "## Tokens per verify step (accepted + 1)",
+        "",
+        "| drafter | all | code | react | draft precision | update p50 ms | update p99 ms "
+        "| update p50 ms, prompts >= 40k | propose p50 us |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, row in out["drafters"].items():
+        a = row["all"]
+        lines.append(
+            f"| {name} | {a['tokens_per_step']:.3f} | {row['code']['tokens_per_step']:.3f} "
+            f"| {row['react']['tokens_per_step']:.3f} "
+            f"| {a['draft_precision']:.3f} | {a['update_p50_ms']:.2f} | {a['update_p99_ms']:.2f} "
+            f"| {row['long_prompt_turns']['update_p50_ms']:.2f} | {a['propose_p50_us']:.0f} |"
+        )
+    if out["combined_gain_over_best_single"]:
+        g = out["combined_gain_over_best_single"]
+        gains = ", ".join(f"{k} {100 * v:+.1f}%" for k, v in g.items())
+        lines += ["", f"Combined over the best single source (per column): {gains}"]
+    u = out["update_at_long_prompts"]
+    lines += [
+        "",
+        f"## Per-turn cache update at {u['prompt_tokens_range'][0]}-{u['prompt_tokens_range'][1]} prompt tokens",
+        "",
+        f"The same {u['turns']} turns for every row; new tokens per turn p50 {u['new_tokens_p50']}, "
+        f"max {u['new_tokens_max']}.",
+        "",
+        "| how the turn starts | update p50 ms | update p99 ms |",
+        "|---|---|---|",
+    ]
+    for m in u["modes"].values():
+        lines.append(
+            f"| continued session, max_depth {m['max_depth']}: {m['what']} | {m['update_p50_ms']} | {m['update_p99_ms']} |"
+        )
+    r = u["rebuild"]
+    lines.append(
+        f"| rebuild over the whole prompt, max_depth 64 ({r['turns']} prompts of {r['prompt_tokens']} tokens, "
+        f"{r['us_per_prompt_token']} us per token) | {r['update_p50_ms']} | |"
+    )
+    lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
