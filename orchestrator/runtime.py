@@ -296,7 +296,7 @@ class Runtime:
 
     async def map(
         self,
-        graph: StepGraph | CompiledGraph,
+        graph: StepGraph | CompiledGraph | Callable[[str], StepGraph | CompiledGraph],
         items: Iterable[tuple[str, Mapping[str, Any] | str] | tuple[str, Mapping[str, Any] | str, dict]],
         store: ResultStore | None = None,
         on_result: Callable[[RunResult], None] | None = None,
@@ -307,9 +307,17 @@ class Runtime:
 
         Runs already finished in `store` are skipped; each new result is appended to it the
         moment it finishes (after `annotate(result)`, e.g. grading against a reference, has
-        filled its `meta`). A batch budget that runs out stops new runs from starting.
+        filled its `meta`). A batch budget that runs out stops new runs from starting. `graph`
+        may be a function of the run id, for batches whose tasks each need their own graph (e.g.
+        an agent whose tools hold that task's environment).
         """
-        compiled = graph.compile() if isinstance(graph, StepGraph) else graph
+        shared = graph.compile() if isinstance(graph, StepGraph) else graph
+
+        def graph_for(run_id: str) -> CompiledGraph:
+            if isinstance(shared, CompiledGraph):
+                return shared
+            built = shared(run_id)
+            return built.compile() if isinstance(built, StepGraph) else built
         self.batch_meter = Meter(self.batch_meter.budget, scope="batch")  # budgets count per batch
         skip = store.done_ids() if store is not None else set()
         gate = asyncio.Semaphore(self.concurrency)
@@ -322,7 +330,13 @@ class Runtime:
                     self.batch_meter.check()
                 except BudgetExceeded:
                     return
-                result = await self.run(compiled, inputs, run_id=run_id, listeners=listeners, meta=meta)
+                try:
+                    compiled = graph_for(run_id)
+                except ValueError as exc:
+                    result = RunResult(id=run_id, workflow="?", status="error", error=f"building the graph failed: {exc}",
+                                       meta=meta)
+                else:
+                    result = await self.run(compiled, inputs, run_id=run_id, listeners=listeners, meta=meta)
                 if annotate is not None:
                     annotate(result)
                 cut_by_batch = result.status == "budget" and (result.error or "").startswith("batch")

@@ -91,12 +91,18 @@ class BatchSummary:
         return sum(self.tokens.values())
 
     @property
+    def ms_per_token(self) -> float | None:
+        """Wall time per generated token, all models together."""
+        return self.wall_s / self.total_tokens * 1e3 if self.total_tokens else None
+
+    @property
     def mean_wall_s(self) -> float | None:
         return self.wall_s / self.runs if self.runs else None
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
-        for name in ("accuracy", "accuracy_ci", "small_share", "accept_rate", "accept_length", "total_tokens", "mean_wall_s"):
+        for name in ("accuracy", "accuracy_ci", "small_share", "accept_rate", "accept_length", "total_tokens", "mean_wall_s",
+                     "ms_per_token"):
             out[name] = getattr(self, name)
         return out
 

@@ -98,3 +98,20 @@ def test_bench_writes_a_report_and_a_plot_and_resumes(tiny_model_dir, tmp_path):
     again = CliRunner().invoke(main, args)  # resumes: no run is repeated
     assert again.exit_code == 0, again.output
     assert all(len((out_dir / s).read_text().splitlines()) == 2 for s in stores)
+
+
+def test_bench_runs_a_named_suite_with_its_checker(tiny_model_dir, tmp_path):
+    out_dir = tmp_path / "suite"
+    args = ["bench", "--suite", "countdown-20", "--limit", "2", "--policies", "small", "-o", str(out_dir),
+            *model_args(tiny_model_dir)]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    report = (out_dir / "report.md").read_text()
+    assert report.startswith("# thinkahead bench: countdown-20")
+    records = ResultStore(out_dir / "runs-small.jsonl").latest()
+    assert len(records) == 2
+    assert all(r.meta["correct"] is False for r in records.values())  # random weights solve no puzzle
+    both = CliRunner().invoke(main, ["bench", str(tmp_path / "x.jsonl"), "--suite", "gsm8k-50", "-o", str(out_dir)])
+    assert both.exit_code == 2 and "either INPUT.jsonl or --suite" in both.output
+    unknown = CliRunner().invoke(main, ["bench", "--suite", "gsm9k", "-o", str(out_dir)])
+    assert unknown.exit_code == 2 and "unknown suite 'gsm9k'" in unknown.output

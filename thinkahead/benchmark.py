@@ -58,6 +58,7 @@ class BenchReport:
     rows: list[tuple[BenchConfig, BatchSummary]] = field(default_factory=list)
     markdown: Path | None = None
     plot: Path | None = None
+    warmth_plot: Path | None = None
     json: Path | None = None
 
 
@@ -76,8 +77,14 @@ def run_bench(
     out_dir: Path,
     annotate: Callable[[RunResult], None] | None = None,
     on_result: Callable[[BenchConfig, RunResult], None] | None = None,
+    graph: Callable[[str], Any] | None = None,
+    title: str | None = None,
 ) -> BenchReport:
-    """Run every configuration over `tasks` (resuming each from its store) and write the report."""
+    """Run every configuration over `tasks` (resuming each from its store) and write the report.
+
+    `graph(run_id)` builds each task's graph when tasks need their own (a suite's workflow
+    options per task); by default every task runs the settings' workflow.
+    """
     from thinkahead.sdk import Orchestrator
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -92,39 +99,45 @@ def run_bench(
         cfg["token_spec"] = config.token_spec
         orch = Orchestrator(small, large, config=cfg)
         _clear_caches([small, large])
-        path = out_dir / f"runs-{config.label.replace('/', '_').replace('@', '_')}.jsonl"
+        path = store_path(out_dir, config)
         items = [(t.id, t.inputs, {"reference": t.reference} if t.reference is not None else {}) for t in tasks]
         with ResultStore(path) as store:
-            asyncio.run(orch.map(items, store=store, annotate=annotate,
+            asyncio.run(orch.map(items, graph, store=store, annotate=annotate,
                                  on_result=(lambda r, c=config: on_result(c, r)) if on_result else None))
         ids = {t.id for t in tasks}
         results = [r for rid, r in ResultStore(path).latest().items() if rid in ids]
         report.rows.append((config, summarize(results)))
     report.markdown = out_dir / "report.md"
-    report.markdown.write_text(markdown_report(report.rows, settings, len(tasks)))
+    report.markdown.write_text(markdown_report(report.rows, settings, len(tasks), title))
     report.json = out_dir / "report.json"
     report.json.write_text(json.dumps({"settings": settings, "rows": [
         {"config": c.label, **s.to_dict()} for c, s in report.rows]}, indent=1, default=str))
     report.plot = plot_pareto(report.rows, out_dir / "report.png")
+    report.warmth_plot = plot_warmth(out_dir, configs, {t.id for t in tasks}, out_dir / "report_warmth.png")
     return report
 
 
-def markdown_report(rows: list[tuple[BenchConfig, BatchSummary]], settings: dict[str, Any], n_tasks: int) -> str:
+def store_path(out_dir: Path, config: BenchConfig) -> Path:
+    return out_dir / f"runs-{config.label.replace('/', '_').replace('@', '_')}.jsonl"
+
+
+def markdown_report(rows: list[tuple[BenchConfig, BatchSummary]], settings: dict[str, Any], n_tasks: int,
+                    title: str | None = None) -> str:
     lines = [
-        "# thinkahead bench", "",
+        f"# thinkahead bench{': ' + title if title else ''}", "",
         f"{n_tasks} tasks, workflow `{settings.get('workflow')}`, small `{settings['small']['spec']}`, "
         f"large `{settings['large']['spec']}` ({settings['large'].get('dtype')}).", "",
-        "| config | runs | ok | accuracy | 95% CI | s/run | small tok | large tok | small share | accept rate | judge calls | tok/verify |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| config | runs | ok | accuracy | 95% CI | s/run | ms/token | small tok | large tok | small share | accept rate | judge calls | tok/verify |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for config, s in rows:
         ci = s.accuracy_ci
         lines.append(
             f"| {config.label} | {s.runs} | {s.statuses.get('ok', 0)} | {fmt(s.accuracy)} | "
-            f"{'-' if ci is None else f'{ci[0]:.2f}-{ci[1]:.2f}'} | {fmt(s.mean_wall_s, 1)} | {s.tokens.get('small', 0)} | "
+            f"{'-' if ci is None else f'{ci[0]:.2f}-{ci[1]:.2f}'} | {fmt(s.mean_wall_s, 1)} | {fmt(s.ms_per_token, 0)} | {s.tokens.get('small', 0)} | "
             f"{s.tokens.get('large', 0)} | {fmt(s.small_share)} | {fmt(s.accept_rate)} | {s.judge_calls} | {fmt(s.accept_length)} |"
         )
-    lines += ["", "s/run: mean wall time per task; small share: kept steps written by the small model; accept rate: "
+    lines += ["", "s/run: mean wall time per task; ms/token: wall time per generated token (all models); small share: kept steps written by the small model; accept rate: "
               "judged small-model drafts kept; tok/verify: tokens per verify step of token-level speculation.", ""]
     return "\n".join(lines)
 
@@ -150,6 +163,39 @@ def plot_pareto(rows: list[tuple[BenchConfig, BatchSummary]], path: Path) -> Pat
     ax.set_ylabel("accuracy")
     ax.set_title("accuracy vs time")
     ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_warmth(out_dir: Path, configs: list[BenchConfig], ids: set[str], path: Path) -> Path | None:
+    """Token-level acceptance (tokens per verify step) against how many runs warmed the caches before."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    drawn = False
+    for config in configs:
+        if not config.token_spec:
+            continue
+        runs = [r for r in ResultStore(store_path(out_dir, config)) if r.id in ids and r.cost.get("accept_length")]
+        if not runs:
+            continue
+        ax.plot(range(len(runs)), [r.cost["accept_length"] for r in runs], marker=".", label=config.label)
+        drawn = True
+    if not drawn:
+        plt.close(fig)
+        return None
+    ax.set_xlabel("runs finished before (cache warmth)")
+    ax.set_ylabel("tokens per verify step")
+    ax.set_title("token-level acceptance vs cache warmth")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -295,36 +295,37 @@ def trace(results_path, run_id, full, as_json) -> None:
 
 
 @click.command()
-@click.argument("input_path", metavar="INPUT.jsonl", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("-w", "--workflow", default=None, help="Workflow: cot, react, refine, vote, pipeline [cot].")
+@click.argument("input_path", metavar="[INPUT.jsonl]", required=False,
+                type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--suite", default=None, help="A named suite instead of INPUT.jsonl: gsm8k-50, math500-30, humaneval-20, "
+              "agentic-refine, agentic-pipeline, tools-bfcl-20, countdown-20, game24-20.")
+@click.option("-w", "--workflow", default=None, help="Workflow: cot, react, refine, vote, pipeline [cot, or the suite's].")
 @click.option("--policies", default="large,small,specreason", show_default=True, help="Comma-separated step policies.")
 @click.option("--thresholds", default="", help="specreason thresholds to sweep, e.g. 5,7,9 (default: the config's).")
 @click.option("--token-spec", "token_spec", type=click.Choice(["on", "off", "both"]), default="on", show_default=True,
               help="Token-level speculation in every configuration, none, or each configuration both ways.")
 @click.option("-o", "--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), required=True,
-              help="Folder for the run stores, report.md, report.json and report.png (resumable).")
+              help="Folder for the run stores, report.md, report.json and the plots (resumable).")
 @click.option("--limit", type=int, default=None, help="Only the first N tasks.")
-@click.option("--checker", type=click.Choice(["math", "exact"]), default="math", show_default=True)
+@click.option("--checker", type=click.Choice(["math", "exact"]), default="math", show_default=True,
+              help="Grading of INPUT.jsonl answers (a suite brings its own checker).")
 @orchestrator_options
-def bench(input_path, workflow, policies, thresholds, token_spec, out_dir, limit, checker, **options) -> None:
-    """Run step policies side by side on INPUT.jsonl; write a markdown report and an accuracy/time plot."""
-    from thinkahead.batch_input import read_tasks
+def bench(input_path, suite, workflow, policies, thresholds, token_spec, out_dir, limit, checker, **options) -> None:
+    """Run step policies side by side on INPUT.jsonl or a --suite; write a markdown report and plots."""
     from thinkahead.benchmark import matrix, run_bench
 
     names = [p.strip() for p in policies.split(",") if p.strip()]
     unknown = [p for p in names if p not in POLICIES]
     if not names or unknown:
         raise click.UsageError(f"--policies: unknown {unknown or '(none given)'}; choose from {', '.join(POLICIES)}")
+    if (input_path is None) == (suite is None):
+        raise click.UsageError("give either INPUT.jsonl or --suite NAME")
     try:
         sweep = [float(t) for t in thresholds.split(",") if t.strip()]
-        tasks = read_tasks(input_path, limit=limit)
+        tasks, annotate, graph, title, suite_workflow = _bench_tasks(input_path, suite, limit, checker, workflow)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
-    for bad in tasks.bad:
-        click.echo(f"{input_path}:{bad.line}: {bad.reason} (skipped)", err=True)
-    if not tasks.tasks:
-        raise click.ClickException(f"no valid tasks in {input_path}")
-    settings = build_settings(**options, workflow=workflow)
+    settings = build_settings(**options, workflow=workflow or suite_workflow)
     configs = matrix(names, sweep, token_spec)
 
     def progress(config, result) -> None:
@@ -332,6 +333,37 @@ def bench(input_path, workflow, policies, thresholds, token_spec, out_dir, limit
                    + (f" correct={result.meta['correct']}" if "correct" in result.meta else ""), err=True)
 
     quiet_loading()
-    report = run_bench(tasks.tasks, configs, settings, out_dir, annotate=grader(checker), on_result=progress)
+    report = run_bench(tasks, configs, settings, out_dir, annotate=annotate, on_result=progress, graph=graph,
+                       title=title)
     click.echo(summary_table([(c.label, s) for c, s in report.rows]))
-    click.echo(f"report: {report.markdown}" + (f", plot: {report.plot}" if report.plot else ""))
+    plots = [str(p) for p in (report.plot, report.warmth_plot) if p]
+    click.echo(f"report: {report.markdown}" + (f", plots: {', '.join(plots)}" if plots else ""))
+
+
+def _bench_tasks(input_path, suite_name, limit, checker, workflow):
+    """(tasks, annotate, per-task graph builder or None, title, the suite's workflow) for `bench`."""
+    if suite_name is None:
+        from thinkahead.batch_input import read_tasks
+
+        parsed = read_tasks(input_path, limit=limit)
+        for bad in parsed.bad:
+            click.echo(f"{input_path}:{bad.line}: {bad.reason} (skipped)", err=True)
+        if not parsed.tasks:
+            raise ValueError(f"no valid tasks in {input_path}")
+        return parsed.tasks, grader(checker), None, None, None
+    from thinkahead.evals.suites import load_suite
+    from thinkahead.workflows import build_workflow
+
+    suite = load_suite(suite_name, limit=limit)
+    by_id = {t.id: t for t in suite.tasks}
+
+    def annotate(result) -> None:
+        task = by_id[result.id]
+        result.meta["correct"] = suite.grade(task, result.answer, result.outputs)
+
+    def graph(run_id: str):
+        if workflow is not None and workflow != suite.workflow:  # the suite's options belong to its own workflow
+            return build_workflow(workflow)
+        return build_workflow(suite.workflow, **suite.workflow_options(by_id[run_id]))
+
+    return suite.tasks, annotate, graph, f"{suite.name} ({suite.spec.description})", suite.workflow

@@ -27,6 +27,7 @@ from thinkahead.orchestrator.store import ResultStore
 from thinkahead.orchestrator.trace import RunResult, TraceEvent
 
 Workflow = str | StepGraph | CompiledGraph | None
+BatchWorkflow = Workflow | Callable[[str], StepGraph | CompiledGraph]  # a graph per run id
 
 
 class Orchestrator:
@@ -133,7 +134,7 @@ class Orchestrator:
     async def map(
         self,
         batch: Iterable[Any],
-        workflow: Workflow = None,
+        workflow: BatchWorkflow = None,
         *,
         store: str | os.PathLike[str] | ResultStore | None = None,
         on_result: Callable[[RunResult], None] | None = None,
@@ -151,7 +152,8 @@ class Orchestrator:
         owned = store is not None and not isinstance(store, ResultStore)
         result_store = ResultStore(store) if owned else store
         try:
-            return await self.runtime.map(self.workflow(workflow), items, store=result_store, on_result=on_result,
+            graph = workflow if callable(workflow) and not isinstance(workflow, StepGraph) else self.workflow(workflow)
+            return await self.runtime.map(graph, items, store=result_store, on_result=on_result,
                                           listeners=listeners, annotate=annotate)
         finally:
             if owned:
