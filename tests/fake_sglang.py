@@ -98,6 +98,24 @@ class Request:
         return json.loads(self.body) if self.body else None
 
 
+async def read_request(reader: asyncio.StreamReader) -> Request | None:
+    """One HTTP/1.1 request off a keep-alive connection; None when the client closed it."""
+    line = await reader.readline()
+    if not line:
+        return None
+    method, target, _version = line.decode("latin-1").split()
+    headers: dict[str, str] = {}
+    while True:
+        h = await reader.readline()
+        if h in (b"\r\n", b"\n", b""):
+            break
+        key, _, value = h.decode("latin-1").partition(":")
+        headers[key.strip().lower()] = value.strip()
+    length = int(headers.get("content-length", "0"))
+    body = await reader.readexactly(length) if length else b""
+    return Request(method, target.split("?")[0], headers, body)
+
+
 @dataclass(slots=True)
 class Reply:
     status: int = 200
@@ -245,21 +263,12 @@ class FakeHttpServer:
         self._writers.add(writer)
         try:
             while True:
-                line = await reader.readline()
-                if not line:
+                request = await read_request(reader)
+                if request is None:
                     return
-                method, target, _version = line.decode("latin-1").split()
-                headers: dict[str, str] = {}
-                while True:
-                    h = await reader.readline()
-                    if h in (b"\r\n", b"\n", b""):
-                        break
-                    key, _, value = h.decode("latin-1").partition(":")
-                    headers[key.strip().lower()] = value.strip()
-                length = int(headers.get("content-length", "0"))
-                body = await reader.readexactly(length) if length else b""
+                headers = request.headers
                 try:
-                    reply = await self.respond(Request(method, target.split("?")[0], headers, body))
+                    reply = await self.respond(request)
                 except DropConnection:
                     reply = None
                 if reply is None or not self.alive:

@@ -15,34 +15,10 @@ from thinkahead.token_spec.suffix_cache import SuffixCache
 from thinkahead.token_spec.suffix_tree import SuffixTree
 from thinkahead.token_spec.verify import SamplingParams
 
-from tests.test_speculative_decoding import repetitive_prompt, seed_divergent_outputs
+from tests.test_speculative_decoding import Recording, repetitive_prompt, seed_divergent_outputs
 from tests.tiny_models import ARCHS, VOCAB
 
 GREEDY = SamplingParams()
-
-
-class Recording:
-    """Wraps a drafter and remembers every draft it proposed."""
-
-    def __init__(self, inner) -> None:
-        self.inner = inner
-        self.name = inner.name
-        self.model_free = inner.model_free
-        self.drafts: list[Draft] = []
-
-    def start(self, rid, prompt, params, session_id=None):
-        self.inner.start(rid, prompt, params, session_id=session_id)
-
-    def propose(self, rid, context, budget):
-        draft = self.inner.propose(rid, context, budget)
-        self.drafts.append(draft)
-        return draft
-
-    def observe(self, rid, accepted, proposed):
-        self.inner.observe(rid, accepted, proposed)
-
-    def finish(self, rid):
-        self.inner.finish(rid)
 
 
 def test_merge_gives_the_trusted_source_a_deep_chain() -> None:

@@ -24,6 +24,8 @@ from thinkahead.models.base import GenerationRequest, render_plain
 from thinkahead.models.http import HttpClient, ModelServerError
 from thinkahead.models.openai import OpenAIModel
 
+from tests.fake_sglang import read_request
+
 TIMEOUT_S = 0.3  # client timeout used by the tests; "slow" replies take SLOW_S
 SLOW_S = 1.0
 
@@ -107,20 +109,11 @@ class FakeOpenAIServer:
         self.connections += 1
         try:
             while True:
-                line = await reader.readline()
-                if not line:
+                request = await read_request(reader)
+                if request is None:
                     return
-                method, target, _version = line.decode("latin-1").split()
-                headers: dict[str, str] = {}
-                while True:
-                    h = await reader.readline()
-                    if h in (b"\r\n", b"\n", b""):
-                        break
-                    key, _, value = h.decode("latin-1").partition(":")
-                    headers[key.strip().lower()] = value.strip()
-                length = int(headers.get("content-length", "0"))
-                body = await reader.readexactly(length) if length else b""
-                reply = await self._respond(method, target, headers, body)
+                headers = request.headers
+                reply = await self._respond(request.method, request.path, headers, request.body)
                 if reply is None:  # injected drop: close without a reply
                     return
                 status, content_type, data, extra = reply

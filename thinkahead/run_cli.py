@@ -76,7 +76,11 @@ def build_settings(config_path, small, large, dtype, threshold, max_steps, max_t
 
 def quiet_loading() -> None:
     """No per-tensor progress bars from transformers while GGUF weights convert."""
+    import os
+
     from transformers.utils import logging as hf_logging
+
+    os.environ.setdefault("TQDM_DISABLE", "1")  # the GGUF converter uses plain tqdm
 
     hf_logging.disable_progress_bar()
 
