@@ -485,3 +485,12 @@ def test_http_client_rejects_bad_arguments(kwargs: dict[str, Any]) -> None:
 def test_openai_model_rejects_empty_model_name() -> None:
     with pytest.raises(ValueError):
         OpenAIModel("")
+
+
+def test_aclose_from_another_event_loop_drops_the_old_client(server):
+    model = OpenAIModel("m", base_url=server.base_url)
+    asyncio.run(model.generate(GenerationRequest(prompt="hi", max_new_tokens=4)))  # opens a client in loop 1
+    asyncio.run(model.aclose())  # loop 2: must not touch loop 1's transports
+    completion = asyncio.run(model.generate(GenerationRequest(prompt="hi", max_new_tokens=4)))
+    assert completion.text == "Hello world"
+    asyncio.run(model.aclose())

@@ -119,3 +119,10 @@ def test_the_plain_python_agents_example_runs():
     orch = Orchestrator(ScriptedModel(outputs=small_out), ScriptedModel(logprobs=JUDGE_YES), "specreason", concurrency=2)
     rows = asyncio.run(example.team(orch, ["What is 17 * 23?", "What is 144 / 12?"]))
     assert [(r["answer"], r["review"], r["ok"]) for r in rows] == [("391", "yes", True), ("12", "yes", True)]
+
+
+def test_a_tokenizer_is_only_for_remote_models():
+    config = OrchestratorConfig(large={"spec": "sglang:http://127.0.0.1:9", "tokenizer": "qwen2.5-coder-1.5b"})
+    assert config.large.options()["tokenizer"] == "qwen2.5-coder-1.5b"
+    with pytest.raises(ValueError, match="tokenizer is only for remote"):
+        OrchestratorConfig(large={"spec": "qwen2.5-coder-1.5b", "tokenizer": "qwen2.5-coder-1.5b"})

@@ -20,7 +20,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, ValidationError, field_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from thinkahead.orchestrator.budget import RetryPolicy, RunBudget
 from thinkahead.step_spec.loop import StepBudget
@@ -35,9 +35,19 @@ class ModelConfig(BaseModel, extra="forbid"):
     dtype: str = "int8"
     drafter: str = "suffix"
     max_draft: int = Field(default=16, gt=0)
+    tokenizer: str | None = Field(default=None, description="remote models: a model spec whose chat template to use")
 
     def options(self) -> dict[str, Any]:
-        return {"dtype": self.dtype, "drafter": self.drafter, "max_draft": self.max_draft}
+        options: dict[str, Any] = {"dtype": self.dtype, "drafter": self.drafter, "max_draft": self.max_draft}
+        if self.tokenizer is not None:
+            options["tokenizer"] = self.tokenizer
+        return options
+
+    @model_validator(mode="after")
+    def _tokenizer_only_for_remote(self) -> ModelConfig:
+        if self.tokenizer is not None and not self.spec.startswith(("openai:", "sglang:")):
+            raise ValueError(f"model {self.spec!r}: tokenizer is only for remote (openai:/sglang:) models")
+        return self
 
 
 class PolicyConfig(BaseModel, extra="forbid"):

@@ -494,6 +494,19 @@ def resolve_model_spec(spec: str) -> ModelSource:
 # --------------------------------------------------------------------------- loading
 
 
+def load_tokenizer(spec: str) -> Any:
+    """The tokenizer of a model spec (registry name, `hf:ORG/NAME`, directory, .gguf), no weights."""
+    source = resolve_model_spec(spec)
+    if source.registry_name is not None:
+        path = prepare(source.registry_name)
+        location, gguf_file = str(path.parent), path.name
+    else:
+        location, gguf_file = source.location, source.gguf_file
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(location, **({"gguf_file": gguf_file} if gguf_file else {}))
+
+
 def _apply_thread_setting() -> None:
     """Set torch's intra-op threads from THINKAHEAD_THREADS when it is set; else leave torch's default."""
     raw = os.environ.get("THINKAHEAD_THREADS")

@@ -199,9 +199,13 @@ class HttpClient:
         raise ModelServerError(f"server at {url} not healthy after {timeout_s:g} s (last: {last})", url=url)
 
     async def aclose(self) -> None:
-        """Close the pooled connections; the client reopens lazily if used again."""
-        client, self._client, self._loop = self._client, None, None
-        if client is not None and not client.is_closed:
+        """Close the pooled connections; the client reopens lazily if used again.
+
+        A client opened in another (finished) event loop cannot be closed from this one: its
+        connections died with that loop, so it is simply dropped.
+        """
+        client, loop, self._client, self._loop = self._client, self._loop, None, None
+        if client is not None and not client.is_closed and loop is asyncio.get_running_loop():
             await client.aclose()
 
     # -- internals -------------------------------------------------------------------------------

@@ -64,6 +64,10 @@ class OpenAIModel(LanguageModel):
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.model = model
         self.name = model
+        if isinstance(tokenizer, str):
+            from thinkahead.model_registry import load_tokenizer
+
+            tokenizer = load_tokenizer(tokenizer)
         self.tokenizer = tokenizer
         self.extra_body: dict[str, Any] = dict(extra_body or {})
         self.client = HttpClient(

@@ -90,6 +90,8 @@ class SGLangModel(LanguageModel):
             api_key = os.environ.get("SGLANG_API_KEY")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         if isinstance(tokenizer, str):
+            from thinkahead.model_registry import load_tokenizer
+
             tokenizer = load_tokenizer(tokenizer)
         self.tokenizer = tokenizer
         self.client = HttpClient(
@@ -329,21 +331,6 @@ def spec_stats(meta: Mapping[str, Any]) -> dict[str, float]:
     return {k: float(v) for k, v in meta.items() if k.startswith("spec_") and _is_number(v)}
 
 
-def load_tokenizer(spec: str) -> Any:
-    """The tokenizer of a model spec (registry name, `hf:ORG/NAME`, directory, .gguf), no weights."""
-    from thinkahead.model_registry import prepare, resolve_model_spec
-
-    source = resolve_model_spec(spec)
-    if source.registry_name is not None:
-        path = prepare(source.registry_name)
-        location, gguf_file = str(path.parent), path.name
-    else:
-        location, gguf_file = source.location, source.gguf_file
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(location, **({"gguf_file": gguf_file} if gguf_file else {}))
-
-
 def _meta(reply: dict[str, Any]) -> dict[str, Any]:
     meta = reply.get("meta_info")
     if not isinstance(meta, dict):
@@ -363,4 +350,4 @@ def _int(value: Any, default: int) -> int:
     return int(value) if _is_number(value) else default
 
 
-__all__ = ["SGLangModel", "ModelServerError", "load_tokenizer", "spec_stats"]
+__all__ = ["SGLangModel", "ModelServerError", "spec_stats"]
