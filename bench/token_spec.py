@@ -40,7 +40,8 @@ from thinkahead.token_spec.decoder import SpeculativeDecoder  # noqa: E402
 from thinkahead.token_spec.presets import build_decoder  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-ALL_METHODS = ["hf-greedy", "hf-prompt-lookup", "hf-assisted", "suffix", "prompt-lookup", "draft-model", "hybrid"]
+ALL_METHODS = ["hf-greedy", "hf-prompt-lookup", "hf-assisted", "suffix", "prompt-lookup", "combined", "draft-model",
+               "hybrid"]
 ALL_WORKLOADS = ["cot", "refine", "pipeline", "code"]
 
 COT_INSTRUCTION = "Solve the problem step by step, then give the final answer as 'Answer: <number>'."
@@ -114,9 +115,10 @@ class Runner:
                 max_draft=10 if kind == "prompt-lookup" else 16,  # 10 as transformers' prompt lookup
             )
 
-    def generate(self, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], dict]:
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, session_id: str | None = None) -> tuple[list[int], dict]:
+        """`session_id` names the conversation: each turn's prompt extends the last one (agent sessions)."""
         if self.decoder is not None:
-            r = self.decoder.generate(prompt_ids, max_new_tokens, stop_token_ids=self.stop_ids)
+            r = self.decoder.generate(prompt_ids, max_new_tokens, stop_token_ids=self.stop_ids, session_id=session_id)
             return r.token_ids, r.stats.to_dict()
         kwargs: dict = dict(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=self.stop_ids)
         kwargs["pad_token_id"] = self.tokenizer.pad_token_id or self.stop_ids[0]
@@ -166,7 +168,7 @@ def run_method(runner: Runner, workloads: dict[str, list[Conversation]], log) ->
                 messages.append({"role": "user", "content": turn})
                 prompt = chat_ids(runner.tokenizer, messages)
                 t0 = time.perf_counter()
-                new, stats = runner.generate(prompt, conv.max_new_tokens)
+                new, stats = runner.generate(prompt, conv.max_new_tokens, session_id=f"{wname}-{ci}")
                 wall = time.perf_counter() - t0
                 text_ids = [t for t in new if t not in runner.stop_ids]
                 messages.append({"role": "assistant", "content": runner.tokenizer.decode(text_ids, skip_special_tokens=True)})
