@@ -42,11 +42,13 @@ class _Run:
     tracer: Tracer
     meter: Meter
     models: dict[str, MeteredModel]
+    session: str | None = None  # a caller's session that outlives this run (a multi-turn agent)
     sessions: set[str] = field(default_factory=set)
 
-    def session(self, node: str) -> str:
-        """The agent session of a node in this run: its prompts grow turn by turn."""
-        sid = f"{self.tracer.run_id}/{node}"
+    def session_id(self, node: str) -> str:
+        """The agent session of a node: its prompts grow turn by turn (within the run, or across
+        the runs of the caller's `session`)."""
+        sid = f"{self.session or self.tracer.run_id}/{node}"
         self.sessions.add(sid)
         return sid
 
@@ -93,15 +95,21 @@ class Runtime:
         run_id: str | None = None,
         listeners: list[Listener] | None = None,
         meta: dict[str, Any] | None = None,
+        session: str | None = None,
     ) -> RunResult:
-        """Run `graph` on `inputs` (a dict of its input keys, or a string for a single input)."""
+        """Run `graph` on `inputs` (a dict of its input keys, or a string for a single input).
+
+        `session` names a conversation that continues over several runs (an agent calling again
+        with a longer history): the models keep its drafting state between runs, and drop it
+        after their idle timeout. Without it, a run's sessions end with the run.
+        """
         compiled = graph.compile() if isinstance(graph, StepGraph) else graph
         state = _initial_state(compiled, inputs)
         run_id = run_id or f"run-{next(_run_ids)}"
         meter = Meter(self.budget, scope="run", parent=self.batch_meter)
         tracer = Tracer(run_id, listeners)
         models = {tier: MeteredModel(m, tier, meter, self.retry) for tier, m in self.models.items()}
-        run = _Run(compiled, state, tracer, meter, models)
+        run = _Run(compiled, state, tracer, meter, models, session)
         tracer.emit("run_start", workflow=compiled.name, inputs=jsonable(state))
         status, error = "ok", None
         try:
@@ -135,6 +143,8 @@ class Runtime:
 
     async def _end_sessions(self, run: _Run) -> None:
         """A finished run's agent sessions will not continue: let the models drop them."""
+        if run.session is not None:
+            return
         models = {id(m): m for m in self.models.values()}.values()
         await asyncio.gather(*(m.end_session(sid) for m in models for sid in run.sessions), return_exceptions=True)
 
@@ -259,7 +269,7 @@ class Runtime:
             messages = content
         request = GenerationRequest(
             messages=messages, continue_final=messages[-1]["role"] == "assistant", max_new_tokens=spec["max_tokens"], stop=spec["stop"],
-            temperature=spec["temperature"], speculative=self.speculative, session_id=run.session(node.name),
+            temperature=spec["temperature"], speculative=self.speculative, session_id=run.session_id(node.name),
         )
         completion = await run.models[spec["tier"]].generate(request)
         run.state[node.output] = completion.text.strip()
@@ -274,7 +284,7 @@ class Runtime:
         loop = StepLoop(
             run.models["small"], run.models["large"], spec["policy"] or self.policy, self.segment, budget,
             system=spec["system"], speculative=self.speculative, temperature=spec["temperature"], seed=spec["seed"],
-            session_id=run.session(node.name),
+            session_id=run.session_id(node.name),
         )
         problem = spec["problem"].format_map(run.state)
         result = None
@@ -365,10 +375,10 @@ class Runtime:
         return results
 
     async def stream(self, graph: StepGraph | CompiledGraph, inputs: Mapping[str, Any] | str,
-                     run_id: str | None = None) -> AsyncIterator[TraceEvent | RunResult]:
+                     run_id: str | None = None, session: str | None = None) -> AsyncIterator[TraceEvent | RunResult]:
         """Yield each trace event as it happens, then the `RunResult`."""
         queue: asyncio.Queue = asyncio.Queue()
-        task = asyncio.create_task(self.run(graph, inputs, run_id=run_id, listeners=[queue.put_nowait]))
+        task = asyncio.create_task(self.run(graph, inputs, run_id=run_id, listeners=[queue.put_nowait], session=session))
         task.add_done_callback(lambda _: queue.put_nowait(None))
         try:
             while (event := await queue.get()) is not None:

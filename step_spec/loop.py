@@ -142,6 +142,7 @@ class StepLoop:
             max_new_tokens=self.budget.final_answer_tokens,
             stop=["}"],
             speculative=self.speculative,
+            session_id=ctx.session_id,
         )
         c = await self.large.generate(request)
         out = StepOutcome(text=FORCE_ANSWER.lstrip("\n") + c.text + "}", author="large", verdict="final", kind="final", time_s=c.time_s)

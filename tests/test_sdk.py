@@ -126,3 +126,23 @@ def test_a_tokenizer_is_only_for_remote_models():
     assert config.large.options()["tokenizer"] == "qwen2.5-coder-1.5b"
     with pytest.raises(ValueError, match="tokenizer is only for remote"):
         OrchestratorConfig(large={"spec": "qwen2.5-coder-1.5b", "tokenizer": "qwen2.5-coder-1.5b"})
+
+
+def test_agent_sessions_reach_the_local_suffix_cache(tiny_model_dir):
+    from thinkahead.models import LocalModel
+
+    model = LocalModel(str(tiny_model_dir), dtype="float32")
+    orch = Orchestrator(model, model, "small", steps={"max_steps": 3, "max_tokens": None},
+                        segment={"max_step_tokens": 6})
+    cache = model.suffix_cache
+    first = orch.run_sync("cot", "w5 w6 w7", session="agent-1")
+    assert first.ok
+    stats = cache.session_stats
+    generations = first.cost["model_calls"]
+    assert stats.session_starts == 1  # the chain's first step opened the session ...
+    assert stats.session_extends + stats.session_rebuilds == generations - 1  # ... every later call continued it
+    assert "agent-1/answer" in cache.sessions  # kept for the agent's next turn
+    second = orch.run_sync("cot", "w5 w6 w7 w8 w9", session="agent-1")
+    assert second.ok and cache.session_stats.session_starts == 1  # the next turn continued the same session
+    orch.run_sync("cot", "w5 w6", id="solo")
+    assert "solo/answer" not in cache.sessions and cache.session_stats.sessions_ended == 1  # ended with its run

@@ -203,6 +203,7 @@ def test_bad_requests_get_400s_that_name_the_problem(serve):
          "messages", "the last message must be the user's question, got role 'assistant'"),
         (chat("thinkahead/cot", max_tokens=0), "max_tokens", "'max_tokens' must be a positive integer, got 0"),
         (chat("thinkahead/cot", stream="yes"), "stream", "'stream' must be true or false"),
+        (chat("thinkahead/cot", session_id=5), "session_id", "'session_id' must be a non-empty string"),
     ]
     for payload, param, message in cases:
         response = httpx.post(endpoint, json=payload)
@@ -212,6 +213,15 @@ def test_bad_requests_get_400s_that_name_the_problem(serve):
         assert error["message"].startswith(message), error["message"]
     assert httpx.post(endpoint, json=[1, 2]).json()["error"]["message"] == "the request body must be a JSON object"
     assert small.calls == [] and large.calls == []
+
+
+def test_a_session_id_reaches_the_models_and_outlives_the_request(serve):
+    small, large = scripted_pair()
+    url = serve(create_app(small=small, large=large))
+    for _ in range(2):
+        response = httpx.post(f"{url}/v1/chat/completions", json=chat("thinkahead/cot:specreason", session_id="agent-7"))
+        assert response.status_code == 200
+    assert {c.request.session_id for c in small.calls if c.request is not None} == {"agent-7/answer"}
 
 
 def test_content_parts_are_read_as_text(serve):

@@ -123,13 +123,19 @@ class Orchestrator:
 
     # ------------------------------------------------------------------ running
 
-    async def run(self, workflow: Workflow, input: Mapping[str, Any] | str, *, id: str | None = None) -> RunResult:
-        """Run one workflow on one input (a string, or a dict of the workflow's inputs)."""
-        return await self.runtime.run(self.workflow(workflow), input, run_id=id)
+    async def run(self, workflow: Workflow, input: Mapping[str, Any] | str, *, id: str | None = None,
+                  session: str | None = None) -> RunResult:
+        """Run one workflow on one input (a string, or a dict of the workflow's inputs).
 
-    def run_sync(self, workflow: Workflow, input: Mapping[str, Any] | str, *, id: str | None = None) -> RunResult:
+        `session` names an agent conversation that calls again and again with a growing history:
+        drafting state carries over between its runs (suffix trees extended, not rebuilt).
+        """
+        return await self.runtime.run(self.workflow(workflow), input, run_id=id, session=session)
+
+    def run_sync(self, workflow: Workflow, input: Mapping[str, Any] | str, *, id: str | None = None,
+                 session: str | None = None) -> RunResult:
         """`run` for code without an event loop."""
-        return asyncio.run(self.run(workflow, input, id=id))
+        return asyncio.run(self.run(workflow, input, id=id, session=session))
 
     async def map(
         self,
@@ -162,10 +168,10 @@ class Orchestrator:
     def map_sync(self, batch: Iterable[Any], workflow: Workflow = None, **kwargs: Any) -> list[RunResult]:
         return asyncio.run(self.map(batch, workflow, **kwargs))
 
-    async def stream(self, workflow: Workflow, input: Mapping[str, Any] | str, *,
-                     id: str | None = None) -> AsyncIterator[TraceEvent | RunResult]:
+    async def stream(self, workflow: Workflow, input: Mapping[str, Any] | str, *, id: str | None = None,
+                     session: str | None = None) -> AsyncIterator[TraceEvent | RunResult]:
         """Each trace event (node starts and ends, every reasoning step) as it happens, then the result."""
-        async for item in self.runtime.stream(self.workflow(workflow), input, run_id=id):
+        async for item in self.runtime.stream(self.workflow(workflow), input, run_id=id, session=session):
             yield item
 
     def as_tool(self, workflow: Workflow = None, input_key: str = "question") -> Callable[[dict], Any]:

@@ -23,7 +23,9 @@ one (cot, vote, pipeline); sampling fields such as `temperature` are accepted an
 the workflow and its step policy decide how each model samples. Errors have OpenAI's shape,
 `{"error": {"message", "type", "param", "code"}}`: 400 for a bad request, 404 for an unknown
 model or route, 500 for a run that failed (with the run's error). A client that disconnects
-cancels its run, so no tokens are spent on an answer nobody reads.
+cancels its run, so no tokens are spent on an answer nobody reads. An agent that sends its
+growing conversation turn after turn may add `"session_id": "..."` (an extension field): its
+drafting state then carries over between requests instead of being rebuilt.
 
 The app is plain ASGI (no web framework); uvicorn runs it. Requests run concurrently on one event
 loop, at most `concurrency` runs at once (more wait in line).
@@ -187,7 +189,7 @@ class ChatServer:
         inputs = {"question": request["question"]}
         if not request["stream"]:
             async with self.running():
-                result = await orch.run(graph, inputs, id=reply.id)
+                result = await orch.run(graph, inputs, id=reply.id, session=request["session"])
             if (error := run_error(result)) is not None:
                 raise error
             await send_json(send, 200, reply.completion(result))
@@ -197,7 +199,7 @@ class ChatServer:
             (b"x-accel-buffering", b"no")]})
         await send_event(send, reply.chunk({"role": "assistant", "content": ""}))
         async with self.running():
-            async for item in orch.stream(graph, inputs, id=reply.id):
+            async for item in orch.stream(graph, inputs, id=reply.id, session=request["session"]):
                 if isinstance(item, RunResult):
                     for event in reply.final_chunks(item):
                         await send_event(send, event)
@@ -301,8 +303,11 @@ def parse_chat_request(body: bytes) -> dict[str, Any]:
     stream = data.get("stream", False)
     if not isinstance(stream, bool):
         raise RequestError(400, f"'stream' must be true or false, got {stream!r}", param="stream")
+    session = data.get("session_id")
+    if session is not None and (not isinstance(session, str) or not session):
+        raise RequestError(400, f"'session_id' must be a non-empty string, got {session!r}", param="session_id")
     return {"model": model, "question": question_from(data.get("messages")), "stream": stream,
-            "max_tokens": max_tokens}
+            "max_tokens": max_tokens, "session": session}
 
 
 def question_from(messages: Any) -> str:
