@@ -115,3 +115,29 @@ def test_bench_runs_a_named_suite_with_its_checker(tiny_model_dir, tmp_path):
     assert both.exit_code == 2 and "either INPUT.jsonl or --suite" in both.output
     unknown = CliRunner().invoke(main, ["bench", "--suite", "gsm9k", "-o", str(out_dir)])
     assert unknown.exit_code == 2 and "unknown suite 'gsm9k'" in unknown.output
+
+
+def test_recorded_generations_replay_in_the_simulator(tiny_model_dir, tmp_path):
+    tasks = tmp_path / "tasks.jsonl"
+    write_tasks(tasks, [json.dumps({"id": str(i), "question": f"w{5 + i} w6 w7"}) for i in range(2)])
+    recording = tmp_path / "tokens.jsonl"
+    ran = CliRunner().invoke(main, ["run", str(tasks), "--policy", "small", "--record", str(recording),
+                                    *base_args(tiny_model_dir, tmp_path / "runs.jsonl")])
+    assert ran.exit_code == 0, ran.output
+    records = [json.loads(line) for line in recording.read_text().splitlines()]
+    runs = ResultStore(tmp_path / "runs.jsonl").latest()
+    assert len(records) == sum(r.cost["model_calls"] for r in runs.values())
+    assert {r["session_id"] for r in records} == {"0/answer", "1/answer"}  # one session per reasoning chain
+    assert all(r["prompt_ids"] and r["output_ids"] for r in records)
+
+    from thinkahead.token_spec.recording import read_sessions
+
+    sessions = read_sessions(recording)
+    assert sorted(len(s) for s in sessions) == sorted(r.cost["model_calls"] for r in runs.values())
+    shown = CliRunner().invoke(main, ["simulate", str(recording), "--drafters", "suffix,combined"])
+    assert shown.exit_code == 0, shown.output
+    assert f"2 sessions, {len(records)} generations" in shown.output
+    lines = {line.split()[0]: line.split() for line in shown.output.splitlines()[2:]}
+    assert set(lines) == {"suffix", "combined"} and all(float(v[1]) >= 1.0 for v in lines.values())
+    bad = CliRunner().invoke(main, ["simulate", str(recording), "--drafters", "eagle"])
+    assert bad.exit_code == 2 and "unknown ['eagle']" in bad.output

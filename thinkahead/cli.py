@@ -134,6 +134,10 @@ from thinkahead.launch_cli import launch  # noqa: E402
 
 main.add_command(launch)
 
+from thinkahead.simulate_cli import simulate  # noqa: E402
+
+main.add_command(simulate)
+
 
 if __name__ == "__main__":  # pragma: no cover
     main()

@@ -36,17 +36,22 @@ class ModelConfig(BaseModel, extra="forbid"):
     drafter: str = "suffix"
     max_draft: int = Field(default=16, gt=0)
     tokenizer: str | None = Field(default=None, description="remote models: a model spec whose chat template to use")
+    record: str | None = Field(default=None, description="local models: append every generation's token ids here")
 
     def options(self) -> dict[str, Any]:
         options: dict[str, Any] = {"dtype": self.dtype, "drafter": self.drafter, "max_draft": self.max_draft}
         if self.tokenizer is not None:
             options["tokenizer"] = self.tokenizer
+        if self.record is not None:
+            options["record"] = self.record
         return options
 
     @model_validator(mode="after")
     def _tokenizer_only_for_remote(self) -> ModelConfig:
         if self.tokenizer is not None and not self.spec.startswith(("openai:", "sglang:")):
             raise ValueError(f"model {self.spec!r}: tokenizer is only for remote (openai:/sglang:) models")
+        if self.record is not None and self.spec.startswith(("openai:", "sglang:")):
+            raise ValueError(f"model {self.spec!r}: record is only for local models (remote servers keep their own ids)")
         return self
 
 

@@ -30,6 +30,8 @@ def orchestrator_options(fn):
         click.option("--max-tokens", type=int, default=None, help="Generated tokens per reasoning chain [1024]."),
         click.option("--step-tokens", type=int, default=None, help="Token cap per step [128]."),
         click.option("--no-token-spec", is_flag=True, help="Turn token-level speculation off (the plain baseline)."),
+        click.option("--record", type=click.Path(dir_okay=False, path_type=Path), default=None,
+                     help="Append every generation's token ids to this JSONL (replay it with `thinkahead simulate`)."),
     ]
     for option in reversed(options):
         fn = option(fn)
@@ -37,7 +39,7 @@ def orchestrator_options(fn):
 
 
 def build_settings(config_path, small, large, dtype, threshold, max_steps, max_tokens, step_tokens, no_token_spec,
-                   **extra: Any) -> dict[str, Any]:
+                   record=None, **extra: Any) -> dict[str, Any]:
     """An `OrchestratorConfig` as a dict: the file's values, overridden by the options given."""
     from thinkahead.config import OrchestratorConfig
 
@@ -51,6 +53,8 @@ def build_settings(config_path, small, large, dtype, threshold, max_steps, max_t
             data[tier]["spec"] = spec
         if dtype is not None:
             data[tier]["dtype"] = dtype
+        if record is not None:
+            data[tier]["record"] = str(record)
     if threshold is not None:
         data["policy"]["threshold"] = threshold
     if max_steps is not None:

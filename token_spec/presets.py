@@ -22,6 +22,25 @@ DRAFTER_KINDS = ("suffix", "suffix-tree", "prompt-lookup", "draft-model", "hybri
 MODEL_DRAFT_TOKENS = 4  # a draft-model token costs a forward of the small model: keep rounds short
 
 
+MODEL_FREE_KINDS = ("suffix", "suffix-tree", "prompt-lookup", "prompt-lookup-recent", "combined")
+
+
+def model_free_drafter(kind: str, cache: SuffixCache | None = None):
+    """The drafter a model-free kind names (what the decoder and the simulator both use)."""
+    cache = cache if cache is not None else SuffixCache()
+    if kind == "suffix":
+        return SuffixDrafter(cache)
+    if kind == "suffix-tree":
+        return SuffixDrafter(cache, tree=True)
+    if kind == "combined":
+        return CombinedDrafter(cache)
+    if kind == "prompt-lookup":
+        return PromptLookupDrafter()
+    if kind == "prompt-lookup-recent":
+        return PromptLookupDrafter(prefer="last")
+    raise ValueError(f"unknown model-free drafter {kind!r}; expected one of {', '.join(MODEL_FREE_KINDS)}")
+
+
 def build_decoder(
     kind: str,
     engine,
@@ -43,14 +62,9 @@ def build_decoder(
     if kind in ("draft-model", "hybrid") and draft_engine is None:
         raise ValueError(f"drafter {kind!r} needs a draft model engine")
     cache = cache if cache is not None else SuffixCache()
-    if kind == "suffix":
-        drafter, controller = SuffixDrafter(cache), AdaptiveController(max_draft)
-    elif kind == "suffix-tree":
-        drafter, controller = SuffixDrafter(cache, tree=True), MatchLengthController(max_draft)
-    elif kind == "combined":
-        drafter, controller = CombinedDrafter(cache), AdaptiveController(max_draft)
-    elif kind == "prompt-lookup":
-        drafter, controller = PromptLookupDrafter(), AdaptiveController(max_draft)
+    if kind in MODEL_FREE_KINDS:
+        drafter = model_free_drafter(kind, cache)
+        controller = MatchLengthController(max_draft) if kind == "suffix-tree" else AdaptiveController(max_draft)
     elif kind == "draft-model":
         drafter = DraftModelDrafter(draft_engine)
         controller = FixedController(min(max_draft, MODEL_DRAFT_TOKENS))

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import threading
 from typing import Any
 
 from thinkahead.models.base import Completion, GenerationRequest, LanguageModel, prompt_text, render_chat
 from thinkahead.token_spec.drafters import common_prefix_len
+from thinkahead.token_spec.recording import TokenRecorder
 
 # Chat-turn end markers of the supported families, used as stop tokens next to the eos token.
 TURN_END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<end_of_turn>", "<|eot_id|>", "<|end|>")
@@ -47,6 +49,7 @@ class LocalModel(LanguageModel):
         kv_sessions: int = 4,
         cache: Any = None,
         name: str | None = None,
+        record: str | os.PathLike[str] | None = None,
     ) -> None:
         from thinkahead.token_spec.backends.hf import HFEngine
         from thinkahead.token_spec.prefix_pool import KVPrefixPool
@@ -74,6 +77,7 @@ class LocalModel(LanguageModel):
         self._plain = build_decoder("none", self.engine, **common)
         self.stop_token_ids = self._stop_token_ids()
         self._lock = threading.Lock()  # one generation at a time per model (the suffix cache is not thread-safe)
+        self.recorder = TokenRecorder(record) if record is not None else None  # for `thinkahead simulate`
 
     # ------------------------------------------------------------------ LanguageModel
     async def generate(self, request: GenerationRequest) -> Completion:
@@ -113,6 +117,8 @@ class LocalModel(LanguageModel):
                 stop_strings=request.stop,
                 session_id=request.session_id,
             )
+            if self.recorder is not None:
+                self.recorder.record(self.name, request.session_id, ids, result.token_ids)
         stats = result.stats
         spec = {
             k: v for k, v in stats.to_dict().items()

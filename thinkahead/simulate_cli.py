@@ -1,0 +1,50 @@
+"""`thinkahead simulate`: replay recorded generations through drafters, with no model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from thinkahead.token_spec.presets import MODEL_FREE_KINDS
+
+
+@click.command()
+@click.argument("recording", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--drafters", default="suffix,prompt-lookup,prompt-lookup-recent,combined", show_default=True,
+              help=f"Comma-separated model-free drafters: {', '.join(MODEL_FREE_KINDS)}.")
+@click.option("--model", default=None, help="Replay only this model's generations (needed when the file has several).")
+@click.option("--max-draft", type=int, default=16, show_default=True, help="Draft tokens per verify step at most.")
+def simulate(recording: Path, drafters: str, model: str | None, max_draft: int) -> None:
+    """Replay RECORDING (from `--record`) through each drafter: tokens per verify step, draft precision.
+
+    Agent sessions are replayed turn by turn as they ran, so session-aware drafting is judged on
+    the real conversations, in seconds.
+    """
+    from thinkahead.token_spec.presets import model_free_drafter
+    from thinkahead.token_spec.recording import read_sessions
+    from thinkahead.token_spec.simulator import replay_sessions
+
+    kinds = [k.strip() for k in drafters.split(",") if k.strip()]
+    unknown = [k for k in kinds if k not in MODEL_FREE_KINDS]
+    if not kinds or unknown:
+        raise click.UsageError(f"--drafters: unknown {unknown or '(none)'}; choose from {', '.join(MODEL_FREE_KINDS)}")
+    if max_draft < 1:
+        raise click.UsageError("--max-draft must be at least 1")
+    try:
+        sessions = read_sessions(recording, model)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from exc
+    if not sessions:
+        raise click.ClickException(f"no generations{' of ' + model if model else ''} in {recording}")
+    turns = sum(len(s) for s in sessions)
+    click.echo(f"{len(sessions)} sessions, {turns} generations, "
+               f"{sum(len(t.output_ids) for s in sessions for t in s)} output tokens")
+    rows = [("drafter", "tok/verify", "precision", "update p50 ms")]
+    for kind in kinds:
+        stats = replay_sessions(model_free_drafter(kind), sessions, max_tokens=max_draft).summary()
+        rows.append((kind, f"{stats['tokens_per_step']:.3f}", f"{stats['draft_precision']:.3f}",
+                     f"{stats['update_p50_ms']:.2f}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    for row in rows:
+        click.echo("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))

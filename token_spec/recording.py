@@ -1,0 +1,63 @@
+"""Token recordings: every generation's prompt and output ids, appended to JSONL as they happen.
+
+A model run with `record=PATH` writes one line per generation (model, session, prompt ids,
+output ids). `read_sessions` groups them back into agent sessions, in order, so the simulator
+can replay real outputs through any drafter with no model (`thinkahead simulate`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+from thinkahead.token_spec.simulator import Turn
+
+
+class TokenRecorder:
+    """Appends generations to a JSONL file; safe to share between threads."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        if self.path.is_dir():
+            raise ValueError(f"token recording {self.path} is a directory, not a .jsonl file")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+
+    def record(self, model: str, session_id: str | None, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> None:
+        line = json.dumps({"model": model, "session_id": session_id, "prompt_ids": list(prompt_ids),
+                           "output_ids": list(output_ids)}) + "\n"
+        with self._lock, open(self.path, "a", encoding="utf-8") as f:
+            f.write(line)
+
+
+def read_sessions(path: str | os.PathLike[str], model: str | None = None) -> list[list[Turn]]:
+    """The recorded generations as sessions of turns (a generation without a session is its own).
+
+    `model` keeps only that model's generations; a file holding several models needs it, since
+    their token ids do not mix.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"token recording {path} does not exist")
+    sessions: dict[object, list[Turn]] = {}
+    models: set[str] = set()
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                name, sid = record["model"], record["session_id"]
+                turn = Turn([int(t) for t in record["prompt_ids"]], [int(t) for t in record["output_ids"]])
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+                raise ValueError(f"{path}:{lineno}: not a token record ({exc})") from exc
+            models.add(name)
+            if model is not None and name != model:
+                continue
+            sessions.setdefault((name, sid) if sid is not None else (name, "line", lineno), []).append(turn)
+    if model is None and len(models) > 1:
+        raise ValueError(f"{path} holds generations of several models ({', '.join(sorted(models))}); pick one")
+    return list(sessions.values())
