@@ -80,12 +80,13 @@ def build_settings(config_path, small, large, dtype, threshold, max_steps, max_t
 
 def quiet_loading() -> None:
     """No per-tensor progress bars from transformers while GGUF weights convert."""
-    import os
+    from functools import partialmethod
 
+    import tqdm
     from transformers.utils import logging as hf_logging
 
-    os.environ.setdefault("TQDM_DISABLE", "1")  # the GGUF converter uses plain tqdm
-
+    # transformers' GGUF converter draws a bar per tensor with plain tqdm, which ignores its switch
+    tqdm.tqdm.__init__ = partialmethod(tqdm.tqdm.__init__, disable=True)
     hf_logging.disable_progress_bar()
 
 
