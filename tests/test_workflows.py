@@ -110,3 +110,12 @@ def test_build_workflow_errors_name_the_problem():
         build_workflow("tot")
     with pytest.raises(ValueError, match="bad options for workflow 'cot'"):
         build_workflow("cot", rounds=3)
+
+
+def test_refine_can_run_every_round_regardless_of_the_critique():
+    solver = ScriptedModel(outputs=["\\boxed{391}"])
+    critic = ScriptedModel(outputs=["NO ERRORS"])
+    result = run(refine(rounds=2, stop_early=False), "What is 17 * 23?", small=critic, large=solver)
+    assert result.ok and result.answer == "391"
+    assert result.outputs["rounds_iterations"] == 2
+    assert len(solver.calls) == 3 and len(critic.calls) == 3  # solve + 2 rewrites; 3 critiques

@@ -31,12 +31,16 @@ def _final_answer(state: dict) -> str:
     return extract_final_answer(state["draft"]) or state["draft"].strip()
 
 
-def refine(*, rounds: int = 2, max_tokens: int = 384, solver: str = "large", critic: str = "small") -> StepGraph:
-    """solve -> critique -> (rewrite -> critique) while the critique finds mistakes, at most `rounds` times."""
+def refine(*, rounds: int = 2, max_tokens: int = 384, solver: str = "large", critic: str = "small",
+           stop_early: bool = True) -> StepGraph:
+    """solve -> critique -> (rewrite -> critique) while the critique finds mistakes, at most `rounds` times.
+
+    `stop_early=False` always runs every round (a fixed amount of rewriting, for benchmarks).
+    """
     g = StepGraph("refine", inputs=["question"], output="answer")
     g.add_generate("solve", SOLVE, tier=solver, output="draft", max_tokens=max_tokens)
     g.add_generate("first_critique", CRITIQUE, tier=critic, output="critique", max_tokens=max_tokens // 2)
-    g.add_loop("rounds", max_iters=rounds, condition=_needs_work)
+    g.add_loop("rounds", max_iters=rounds, condition=_needs_work if stop_early else None)
     g.add_generate("rewrite", REWRITE, tier=solver, output="draft", max_tokens=max_tokens)
     g.add_generate("critique", CRITIQUE, tier=critic, max_tokens=max_tokens // 2)
     g.add_tool("answer", _final_answer, inputs=["draft"])

@@ -67,9 +67,9 @@ SUITES: dict[str, SuiteSpec] = {
               "math500", 30, "cot", "math"),
         _spec("humaneval-20", "HumanEval/0-19: write the function, graded by its unit tests", "humaneval", 20,
               "cot", "humaneval", grade_on="answer_reasoning"),
-        _spec("agentic-refine", "Self-Refine over GSM8K test 0-19: solve, then critique and rewrite 3 times "
+        _spec("agentic-refine", "Self-Refine over GSM8K test 0-19: solve, then critique and rewrite twice "
               "(repetitive drafts: where suffix drafting pays)", "gsm8k", 20, "refine", "math",
-              loader_options={"instruction": False}, workflow_options={"rounds": 3}),
+              loader_options={"instruction": False}, workflow_options={"rounds": 2, "stop_early": False}),
         _spec("agentic-pipeline", "planner -> solver -> checker over GSM8K test 0-99: the same sub-tasks "
               "run many times", "gsm8k", 100, "pipeline", "math"),
         _spec("tools-bfcl-20", "BFCL v4 multi_turn_base 0-19: multi-turn tool use (file system, trading, "
