@@ -44,6 +44,7 @@ class _Run:
     models: dict[str, MeteredModel]
     session: str | None = None  # a caller's session that outlives this run (a multi-turn agent)
     sessions: set[str] = field(default_factory=set)
+    winners: dict[str, str] = field(default_factory=dict)  # first-finish join -> the branch that won
 
     def session_id(self, node: str) -> str:
         """The agent session of a node: its prompts grow turn by turn (within the run, or across
@@ -166,7 +167,7 @@ class Runtime:
                         if name in first_joins:
                             winner = next(p for p in deps[name] if p in done)
                             self._cancel_branches(run, name, winner, pending, running)
-                            run.state["__winner__" + name] = winner
+                            run.winners[name] = winner
                         running[asyncio.create_task(self._run_node(run, name))] = name
                 if not running:
                     if pending:
@@ -235,7 +236,7 @@ class Runtime:
         if kind == "join":
             preds = [p for p in run.graph.dag.predecessors(node.name) if run.graph.node(p).output]
             if node.spec["first"]:
-                winner = run.state.pop("__winner__" + node.name)
+                winner = run.winners[node.name]
                 value = run.state.get(run.graph.node(winner).output)
                 merge = node.spec["merge"]
                 run.state[node.output] = merge([value]) if merge else value

@@ -128,3 +128,8 @@ def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, flo
 def fmt(value: float | None, digits: int = 2) -> str:
     """A number for a table; "-" for None."""
     return "-" if value is None else f"{value:.{digits}f}"
+
+
+def fmt_interval(interval: tuple[float, float] | None) -> str:
+    """An interval for a table, e.g. 0.33-0.70; "-" for None."""
+    return "-" if interval is None else f"{interval[0]:.2f}-{interval[1]:.2f}"

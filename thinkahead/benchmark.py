@@ -18,7 +18,7 @@ from typing import Any
 
 from thinkahead.batch_input import Task
 from thinkahead.orchestrator.store import ResultStore
-from thinkahead.orchestrator.summary import BatchSummary, fmt, summarize
+from thinkahead.orchestrator.summary import BatchSummary, fmt, fmt_interval, summarize
 from thinkahead.orchestrator.trace import RunResult
 
 log = logging.getLogger(__name__)
@@ -131,10 +131,9 @@ def markdown_report(rows: list[tuple[BenchConfig, BatchSummary]], settings: dict
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for config, s in rows:
-        ci = s.accuracy_ci
         lines.append(
             f"| {config.label} | {s.runs} | {s.statuses.get('ok', 0)} | {fmt(s.accuracy)} | "
-            f"{'-' if ci is None else f'{ci[0]:.2f}-{ci[1]:.2f}'} | {fmt(s.mean_wall_s, 1)} | {fmt(s.ms_per_token, 0)} | {s.tokens.get('small', 0)} | "
+            f"{fmt_interval(s.accuracy_ci)} | {fmt(s.mean_wall_s, 1)} | {fmt(s.ms_per_token, 0)} | {s.tokens.get('small', 0)} | "
             f"{s.tokens.get('large', 0)} | {fmt(s.small_share)} | {fmt(s.accept_rate)} | {s.judge_calls} | {fmt(s.accept_length)} |"
         )
     lines += ["", "s/run: mean wall time per task; ms/token: wall time per generated token (all models); small share: kept steps written by the small model; accept rate: "

@@ -12,7 +12,7 @@ from typing import Any
 import click
 
 from thinkahead.model_registry import DTYPES
-from thinkahead.orchestrator.summary import BatchSummary, fmt
+from thinkahead.orchestrator.summary import BatchSummary, fmt, fmt_interval
 
 POLICIES = ("large", "small", "specreason", "arbitrage", "reflect")
 
@@ -179,10 +179,9 @@ def summary_table(rows: list[tuple[str, BatchSummary]]) -> str:
               "judge calls", "tok/verify")
     lines = [header]
     for label, s in rows:
-        ci = s.accuracy_ci
         lines.append((
             label, str(s.runs), str(s.statuses.get("ok", 0)), fmt(s.accuracy),
-            "-" if ci is None else f"{ci[0]:.2f}-{ci[1]:.2f}", fmt(s.mean_wall_s, 1), str(s.tokens.get("small", 0)),
+            fmt_interval(s.accuracy_ci), fmt(s.mean_wall_s, 1), str(s.tokens.get("small", 0)),
             str(s.tokens.get("large", 0)), fmt(s.small_share), fmt(s.accept_rate), str(s.judge_calls),
             fmt(s.accept_length),
         ))

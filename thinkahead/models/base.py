@@ -140,6 +140,15 @@ def render_chat(tokenizer: Any, messages: list[dict[str, str]], continue_final: 
     )
 
 
+def encode_prompt(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of raw (already templated) prompt text; a BOS is added only where the tokenizer wants one."""
+    ids = list(tokenizer.encode(text, add_special_tokens=False))
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is not None and getattr(tokenizer, "add_bos_token", False) and (not ids or ids[0] != bos):
+        ids.insert(0, bos)
+    return ids
+
+
 def prompt_text(model: LanguageModel, request: GenerationRequest) -> str:
     """The raw prompt of `request` for `model`."""
     if request.prompt is not None:

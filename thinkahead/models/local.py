@@ -15,7 +15,9 @@ import os
 import threading
 from typing import Any
 
-from thinkahead.models.base import Completion, GenerationRequest, LanguageModel, prompt_text, render_chat
+from thinkahead.models.base import (
+    Completion, GenerationRequest, LanguageModel, encode_prompt, prompt_text, render_chat,
+)
 from thinkahead.token_spec.drafters import common_prefix_len
 from thinkahead.token_spec.recording import TokenRecorder
 
@@ -183,11 +185,7 @@ class LocalModel(LanguageModel):
 
     def encode(self, text: str) -> list[int]:
         """Token ids of raw prompt text; a BOS token is added only where the tokenizer wants one."""
-        ids = list(self.tokenizer.encode(text, add_special_tokens=False))
-        bos = getattr(self.tokenizer, "bos_token_id", None)
-        if bos is not None and getattr(self.tokenizer, "add_bos_token", False) and (not ids or ids[0] != bos):
-            ids.insert(0, bos)
-        return ids
+        return encode_prompt(self.tokenizer, text)
 
     def _stop_token_ids(self) -> list[int]:
         eos = getattr(self.tokenizer, "eos_token_id", None)

@@ -34,7 +34,9 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlparse
 
-from thinkahead.models.base import Completion, GenerationRequest, LanguageModel, prompt_text, render_chat, render_plain
+from thinkahead.models.base import (
+    Completion, GenerationRequest, LanguageModel, encode_prompt, prompt_text, render_chat, render_plain,
+)
 from thinkahead.models.http import HttpClient, ModelServerError
 
 FINISH_TYPES = ("stop", "length")
@@ -219,11 +221,7 @@ class SGLangModel(LanguageModel):
         """Token ids of raw prompt text with the local tokenizer (a BOS only where it wants one)."""
         if self.tokenizer is None:
             raise ValueError("SGLangModel.encode needs a tokenizer (pass tokenizer=)")
-        ids = list(self.tokenizer.encode(text, add_special_tokens=False))
-        bos = getattr(self.tokenizer, "bos_token_id", None)
-        if bos is not None and getattr(self.tokenizer, "add_bos_token", False) and (not ids or ids[0] != bos):
-            ids.insert(0, bos)
-        return ids
+        return encode_prompt(self.tokenizer, text)
 
     async def prompt_ids(self, prompt: str) -> list[int]:
         """The ids `/generate` sees for `prompt`: the local tokenizer's, else the server's `/tokenize`."""
