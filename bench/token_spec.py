@@ -8,6 +8,14 @@ Methods (all greedy, same prompts, same stop tokens, same max_new_tokens):
   prompt-lookup        ours: n-gram lookup in the context
   draft-model          ours: the small model drafts 4 tokens a round
   hybrid               ours: suffix when its draft scores >= 2, else the small model
+  combined             ours: recent context copies + local and global suffix trees in one tree draft
+  ours-plain           ours without speculation (one token per forward; its output is the reference
+                       our speculative methods must equal)
+
+Ours reuse the KV of earlier prompts that share a prefix (a KV prefix pool, as SGLang's radix cache
+does; `--no-prefix-reuse` turns it off): a refine turn's prompt extends the previous turn's prompt and
+answer, so only the new instruction is prefilled. transformers' `generate` re-reads the whole prompt
+every turn. "decode tok/s" leaves the prefill out and compares the token loops alone.
 
 Workloads (GSM8K and HumanEval read from their PyPI packages):
   cot        plain chain of thought on GSM8K problems
@@ -37,11 +45,12 @@ from offline_data import gsm8k, humaneval  # noqa: E402
 from thinkahead.model_registry import DTYPES, load_causal_lm  # noqa: E402
 from thinkahead.token_spec.backends.hf import HFEngine  # noqa: E402
 from thinkahead.token_spec.decoder import SpeculativeDecoder  # noqa: E402
+from thinkahead.token_spec.prefix_pool import KVPrefixPool  # noqa: E402
 from thinkahead.token_spec.presets import build_decoder  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-ALL_METHODS = ["hf-greedy", "hf-prompt-lookup", "hf-assisted", "suffix", "prompt-lookup", "combined", "draft-model",
-               "hybrid"]
+ALL_METHODS = ["hf-greedy", "hf-prompt-lookup", "hf-assisted", "ours-plain", "suffix", "prompt-lookup", "combined",
+               "draft-model", "hybrid"]
 ALL_WORKLOADS = ["cot", "refine", "pipeline", "code"]
 
 COT_INSTRUCTION = "Solve the problem step by step, then give the final answer as 'Answer: <number>'."
@@ -99,24 +108,41 @@ def build_workloads(names: list[str], sizes: dict[str, int], max_new: dict[str, 
 class Runner:
     """Generates one reply for a list of token ids; returns (new ids, stats dict)."""
 
-    def __init__(self, name: str, target, tokenizer, draft=None, stop_ids: list[int] | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        target,
+        tokenizer,
+        draft=None,
+        stop_ids: list[int] | None = None,
+        prefix_reuse: bool = True,
+        attention: str = "sdpa",
+    ) -> None:
         self.name = name
         self.target = target
         self.tokenizer = tokenizer
         self.stop_ids = stop_ids or []
         self.decoder: SpeculativeDecoder | None = None
         self.draft = draft
+        # transformers' methods run as a user would run them (sdpa attention); ours use `attention`, the
+        # implementation the model was loaded with (float64 attention for int8: token-exact speculation).
+        self.attention = "sdpa" if name.startswith("hf-") else attention
         if not name.startswith("hf-"):
             kind = "none" if name == "ours-plain" else name
+            engine = HFEngine(target)
             self.decoder = build_decoder(
                 kind,
-                HFEngine(target),
+                engine,
                 draft_engine=HFEngine(draft) if kind in ("draft-model", "hybrid") else None,
                 max_draft=10 if kind == "prompt-lookup" else 16,  # 10 as transformers' prompt lookup
+                prefix_pool=KVPrefixPool(engine) if prefix_reuse else None,
             )
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, session_id: str | None = None) -> tuple[list[int], dict]:
         """`session_id` names the conversation: each turn's prompt extends the last one (agent sessions)."""
+        for model in (self.target, self.draft):
+            if model is not None and model.config._attn_implementation != self.attention:
+                model.set_attn_implementation(self.attention)
         if self.decoder is not None:
             r = self.decoder.generate(prompt_ids, max_new_tokens, stop_token_ids=self.stop_ids, session_id=session_id)
             return r.token_ids, r.stats.to_dict()
@@ -175,7 +201,8 @@ def run_method(runner: Runner, workloads: dict[str, list[Conversation]], log) ->
                 rec = {
                     "method": runner.name, "workload": wname, "item": ci, "turn": ti,
                     "prompt_tokens": len(prompt), "new_tokens": len(new), "wall_s": wall,
-                    "token_ids": new, **{k: v for k, v in stats.items() if k.startswith("spec_") or k.endswith("_s")},
+                    "token_ids": new,
+                    **{k: v for k, v in stats.items() if k.startswith("spec_") or k.endswith("_s") or k == "cached_tokens"},
                 }
                 records.append(rec)
                 log(f"{runner.name:17s} {wname:8s} item {ci} turn {ti}: {len(new):4d} tok {wall:6.1f}s "
@@ -185,59 +212,79 @@ def run_method(runner: Runner, workloads: dict[str, list[Conversation]], log) ->
 
 # --------------------------------------------------------------------------- report
 def summarize(records: list[dict], methods: list[str], workloads: list[str]) -> list[dict]:
-    base = {}
+    """One row per (workload, method): speed against both transformers baselines, acceptance, exactness."""
+    by_key = {(r["method"], r["workload"], r["item"], r["turn"]): r for r in records}
     rows = []
-    by_key: dict[tuple, dict] = {}
-    for r in records:
-        by_key[(r["method"], r["workload"], r["item"], r["turn"])] = r
     for w in workloads:
+        speed: dict[str, tuple[float, float]] = {}
         for m in methods:
             rs = [r for r in records if r["method"] == m and r["workload"] == w]
             if not rs:
                 continue
             tokens = sum(r["new_tokens"] for r in rs)
             wall = sum(r["wall_s"] for r in rs)
-            tps = tokens / wall if wall else 0.0
             decode_wall = sum(r["wall_s"] - r.get("first_token_s", 0.0) for r in rs)
-            decode_tps = sum(max(r["new_tokens"] - 1, 0) for r in rs) / decode_wall if decode_wall else 0.0
-            if m == "hf-greedy":
-                base[w] = tps
-                base[w, "decode"] = decode_tps
+            decode_tokens = sum(max(r["new_tokens"] - 1, 0) for r in rs)
+            speed[m] = (tokens / wall if wall else 0.0, decode_tokens / decode_wall if decode_wall else 0.0)
             verify = sum(r.get("spec_verify_ct", 0) for r in rs)
             draft_s = sum(r.get("draft_time_s", 0.0) for r in rs)
-            same = [
-                r["token_ids"] == by_key[("hf-greedy", w, r["item"], r["turn"])]["token_ids"]
-                for r in rs
-                if ("hf-greedy", w, r["item"], r["turn"]) in by_key and r["turn"] == 0
-            ]
+            prompt = sum(r["prompt_tokens"] for r in rs)
             rows.append({
-                "workload": w, "method": m, "tokens": tokens, "wall_s": round(wall, 2), "tokens_per_s": round(tps, 3),
-                "speedup": round(tps / base[w], 3) if base.get(w) else None,
-                "decode_tokens_per_s": round(decode_tps, 3),
-                "decode_speedup": round(decode_tps / base[w, "decode"], 3) if base.get((w, "decode")) else None,
+                "workload": w, "method": m, "tokens": tokens, "wall_s": round(wall, 2),
+                "tokens_per_s": round(speed[m][0], 3),
+                "speedup": _ratio(speed, m, "hf-greedy", 0),
+                "vs_hf_prompt_lookup": _ratio(speed, m, "hf-prompt-lookup", 0),
+                "decode_tokens_per_s": round(speed[m][1], 3),
+                "decode_speedup": _ratio(speed, m, "hf-greedy", 1),
                 "accept_length": round(tokens / verify, 3) if verify else None,
                 "draft_ms_per_token": round(1000 * draft_s / tokens, 3) if verify and tokens else None,
-                "same_as_hf_greedy": f"{sum(same)}/{len(same)}" if same else "",
+                "prompt_reused": round(sum(r.get("cached_tokens", 0) for r in rs) / prompt, 3) if prompt else 0.0,
+                "same_as_ours_plain": _agreement(rs, by_key, "ours-plain", every_turn=True),
+                "same_as_hf_greedy": _agreement(rs, by_key, "hf-greedy", every_turn=False),
             })
     return rows
 
 
+def _ratio(speed: dict[str, tuple[float, float]], method: str, baseline: str, column: int) -> float | None:
+    if baseline not in speed or not speed[baseline][column]:
+        return None
+    return round(speed[method][column] / speed[baseline][column], 3)
+
+
+def _agreement(rs: list[dict], by_key: dict, reference: str, every_turn: bool) -> str:
+    """'k/n': generations whose tokens equal the reference method's (first turns only, unless every_turn).
+
+    Later turns only compare like with like when every earlier turn agreed (their prompts hold the
+    earlier answers), which is what an exact method must achieve against ours-plain.
+    """
+    same = [
+        r["token_ids"] == by_key[(reference, r["workload"], r["item"], r["turn"])]["token_ids"]
+        for r in rs
+        if (reference, r["workload"], r["item"], r["turn"]) in by_key and (every_turn or r["turn"] == 0)
+    ]
+    return f"{sum(same)}/{len(same)}" if same and rs[0]["method"] != reference else ""
+
+
 def markdown(rows: list[dict], meta: dict) -> str:
+    def x(v: float | None) -> str:
+        return f"{v:.2f}x" if v else ""
+
     lines = [
         f"Target `{meta['target']}`, draft `{meta['draft']}`, {meta['dtype']}, greedy, "
         f"{meta['threads']} threads, {meta['machine']}; `{meta['command']}`.",
         "",
-        "| workload | method | tokens | tok/s (end to end) | vs hf-greedy | decode tok/s | vs hf-greedy | accept len | draft ms/tok | first-turn output = hf-greedy |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| workload | method | tokens | tok/s (end to end) | vs hf-greedy | vs hf-prompt-lookup | decode tok/s "
+        "| decode vs hf-greedy | accept len | draft ms/tok | prompt KV reused | output = ours-plain | first turn = hf-greedy |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        sp = f"{r['speedup']:.2f}x" if r["speedup"] else ""
         al = f"{r['accept_length']:.2f}" if r["accept_length"] else ""
         dm = f"{r['draft_ms_per_token']:.2f}" if r["draft_ms_per_token"] is not None else ""
-        dsp = f"{r['decode_speedup']:.2f}x" if r["decode_speedup"] else ""
+        reused = f"{100 * r['prompt_reused']:.0f}%" if r.get("prompt_reused") else ""
         lines.append(
-            f"| {r['workload']} | {r['method']} | {r['tokens']} | {r['tokens_per_s']:.2f} | {sp} "
-            f"| {r['decode_tokens_per_s']:.2f} | {dsp} | {al} | {dm} | {r['same_as_hf_greedy']} |"
+            f"| {r['workload']} | {r['method']} | {r['tokens']} | {r['tokens_per_s']:.2f} | {x(r['speedup'])} "
+            f"| {x(r.get('vs_hf_prompt_lookup'))} | {r['decode_tokens_per_s']:.2f} | {x(r['decode_speedup'])} | {al} "
+            f"| {dm} | {reused} | {r.get('same_as_ours_plain', '')} | {r['same_as_hf_greedy']} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -260,7 +307,7 @@ def plot(rows: list[dict], records: list[dict], path: Path) -> None:
     ax1.set_ylabel("tokens/s relative to hf-greedy")
     ax1.set_title("Speed by workload")
     ax1.legend(fontsize=7)
-    for m in ("suffix", "hybrid", "prompt-lookup"):
+    for m in ("suffix", "combined", "hybrid", "prompt-lookup"):
         seq = [r for r in records if r["method"] == m and r.get("spec_verify_ct")]
         if seq:
             ax2.plot(range(len(seq)), [r["new_tokens"] / r["spec_verify_ct"] for r in seq], marker=".", label=m)
@@ -294,12 +341,13 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="1 item per workload, short outputs")
     ap.add_argument("--out", default=str(RESULTS / "token_spec"))
     ap.add_argument("--reuse", default="", help="METHODS=FILE.json: take these methods' records from an earlier run")
+    ap.add_argument("--no-prefix-reuse", action="store_true", help="ours prefill every prompt whole, as transformers does")
     args = ap.parse_args()
 
     methods = args.methods.split(",")
     names = args.workloads.split(",")
-    sizes = {"cot": 2, "refine": 1, "pipeline": 5, "code": 2}
-    max_new = {"cot": 160, "refine": 160, "pipeline": 80, "code": 128}
+    sizes = {"cot": 2, "refine": 2, "pipeline": 5, "code": 2}
+    max_new = {"cot": 160, "refine": 256, "pipeline": 80, "code": 128}
     if args.quick:
         sizes = {k: 1 for k in sizes}
         max_new = {k: 32 for k in max_new}
@@ -311,6 +359,7 @@ def main() -> None:
     if any(m in ("hf-assisted", "draft-model", "hybrid") for m in methods):
         draft, _ = load_causal_lm(args.draft, args.dtype)
     load_s = time.perf_counter() - t0
+    loaded_attention = target.config._attn_implementation
     stop_ids = [t for t in {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")} if isinstance(t, int)]
 
     out = Path(args.out)
@@ -319,6 +368,7 @@ def main() -> None:
         "target": args.target, "draft": args.draft, "dtype": args.dtype, "threads": torch.get_num_threads(),
         "machine": f"{platform.machine()} CPU ({cpu_features()}), {torch.get_num_threads()} threads, torch {torch.__version__}",
         "command": "python bench/token_spec.py " + " ".join(sys.argv[1:]), "load_s": round(load_s, 1),
+        "attention": {"transformers": "sdpa", "ours": loaded_attention},
         "sizes": sizes, "max_new_tokens": max_new, "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
     }
     records: list[dict] = []
@@ -334,7 +384,8 @@ def main() -> None:
         print(msg, flush=True)
 
     for m in methods:
-        runner = Runner(m, target, tokenizer, draft, stop_ids)
+        runner = Runner(m, target, tokenizer, draft, stop_ids, prefix_reuse=not args.no_prefix_reuse,
+                        attention=loaded_attention)
         records += run_method(runner, workloads, log)
         rows = summarize(records, [x for x in ALL_METHODS if any(r["method"] == x for r in records)], names)
         out.with_suffix(".json").write_text(json.dumps({"meta": meta, "summary": rows, "records": records}, indent=1))

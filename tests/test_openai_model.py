@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -24,13 +23,13 @@ from thinkahead.models.base import GenerationRequest, render_plain
 from thinkahead.models.http import HttpClient, ModelServerError
 from thinkahead.models.openai import OpenAIModel
 
-from tests.fake_sglang import read_request
+from tests.fake_sglang import FakeHttpServer, Reply, Request, Stream, json_reply
 
 TIMEOUT_S = 0.3  # client timeout used by the tests; "slow" replies take SLOW_S
 SLOW_S = 1.0
 
 
-class FakeOpenAIServer:
+class FakeOpenAIServer(FakeHttpServer):
     """An OpenAI-compatible `/v1/completions` server with per-request fault injection.
 
     `faults` is consumed one entry per completions request: "500", "429", "400", "drop",
@@ -39,6 +38,7 @@ class FakeOpenAIServer:
     """
 
     def __init__(self) -> None:
+        super().__init__()
         self.faults: deque[str] = deque()
         self.requests: list[dict[str, Any]] = []  # completions payloads, in arrival order
         self.headers: list[dict[str, str]] = []
@@ -51,103 +51,30 @@ class FakeOpenAIServer:
         self.health_failures = 0  # /health answers 503 this many times first
         self.in_flight = 0
         self.max_in_flight = 0
-        self.connections = 0
-        self.port = 0
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._server: asyncio.AbstractServer | None = None
-        self._thread: threading.Thread | None = None
 
     @property
     def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v1"
+        return f"{self.url}/v1"
 
-    # -- lifecycle -------------------------------------------------------------------------------
-
-    def start(self) -> None:
-        ready = threading.Event()
-
-        def run() -> None:
-            loop = asyncio.new_event_loop()
-            self._loop = loop
-            asyncio.set_event_loop(loop)
-
-            async def boot() -> None:
-                self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
-                self.port = self._server.sockets[0].getsockname()[1]
-
-            loop.run_until_complete(boot())
-            ready.set()
-            loop.run_forever()
-            loop.close()
-
-        self._thread = threading.Thread(target=run, name="fake-openai", daemon=True)
-        self._thread.start()
-        if not ready.wait(10):
-            raise RuntimeError("fake server did not start")
-
-    def stop(self) -> None:
-        loop = self._loop
-        if loop is None or self._thread is None:
-            return
-
-        async def shutdown() -> None:
-            if self._server is not None:
-                self._server.close()
-            current = asyncio.current_task()
-            tasks = [t for t in asyncio.all_tasks() if t is not current]
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            loop.stop()
-
-        asyncio.run_coroutine_threadsafe(shutdown(), loop)
-        self._thread.join(10)
-
-    # -- HTTP ------------------------------------------------------------------------------------
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.connections += 1
-        try:
-            while True:
-                request = await read_request(reader)
-                if request is None:
-                    return
-                headers = request.headers
-                reply = await self._respond(request.method, request.path, headers, request.body)
-                if reply is None:  # injected drop: close without a reply
-                    return
-                status, content_type, data, extra = reply
-                head = [f"HTTP/1.1 {status} {_REASONS.get(status, 'OK')}", f"Content-Type: {content_type}",
-                        f"Content-Length: {len(data)}", "Connection: keep-alive", *extra]
-                writer.write(("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + data)
-                await writer.drain()
-                if headers.get("connection", "").lower() == "close":
-                    return
-        except (ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError):
-            pass
-        finally:
-            writer.close()
-
-    async def _respond(
-        self, method: str, target: str, headers: dict[str, str], body: bytes
-    ) -> tuple[int, str, bytes, list[str]] | None:
+    async def respond(self, request: Request) -> Reply | Stream | None:
+        method, target = request.method, request.path
         if target == "/health":
             if self.health_failures > 0:
                 self.health_failures -= 1
-                return _json(503, {"message": "loading weights"})
-            return _json(200, {"status": "ok"})
+                return json_reply(503, {"message": "loading weights"})
+            return json_reply(200, {"status": "ok"})
         if target == "/v1/models" and method == "GET":
-            return _json(200, {"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
+            return json_reply(200, {"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
         if target == "/v1/stream" and method == "POST":
             events = b"".join(f"data: {json.dumps({'i': i})}\n\n".encode() for i in range(3))
             events = b": keep-alive comment\n\n" + events + b"data: line1\ndata: line2\n\ndata: [DONE]\n\n"
-            return 200, "text/event-stream", events, []
+            return Reply(200, events, "text/event-stream")
         if target != "/v1/completions" or method != "POST":
-            return _json(404, {"error": {"message": f"no route {method} {target}", "type": "not_found"}})
+            return json_reply(404, {"error": {"message": f"no route {method} {target}", "type": "not_found"}})
 
-        payload = json.loads(body)
+        payload = request.json()
         self.requests.append(payload)
-        self.headers.append(headers)
+        self.headers.append(request.headers)
         fault = self.faults.popleft() if self.faults else None
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
@@ -158,18 +85,18 @@ class FakeOpenAIServer:
             while self.max_in_flight < self.hold_until and time.monotonic() < deadline:
                 await asyncio.sleep(0.005)  # a latch: once reached, everyone is released
             if fault == "500":
-                return _json(500, {"object": "error", "message": "engine overloaded"})
+                return json_reply(500, {"object": "error", "message": "engine overloaded"})
             if fault == "429":
-                return _json(429, {"error": {"message": "rate limited", "type": "rate_limit"}})
+                return json_reply(429, {"error": {"message": "rate limited", "type": "rate_limit"}})
             if fault == "400":
-                return _json(400, {"error": {"message": "prompt is too long for this model", "type": "invalid"}})
+                return json_reply(400, {"error": {"message": "prompt is too long for this model", "type": "invalid"}})
             if fault == "drop":
                 return None
             if fault == "badjson":
-                return 200, "application/json", b'{"id": "cmpl-x", "choices": [', []
+                return Reply(200, b'{"id": "cmpl-x", "choices": [')
             if fault == "slow":
                 await asyncio.sleep(SLOW_S)
-            return _json(200, self._completion(payload, abort=fault == "abort"))
+            return json_reply(200, self._completion(payload, abort=fault == "abort"))
         finally:
             self.in_flight -= 1
 
@@ -216,19 +143,11 @@ class FakeOpenAIServer:
         }
 
 
-_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 429: "Too Many Requests",
-            500: "Internal Server Error", 503: "Service Unavailable"}
-
-
 def _closed_port() -> int:
     """A local port with nothing listening on it (connections are refused)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def _json(status: int, obj: Any) -> tuple[int, str, bytes, list[str]]:
-    return status, "application/json", json.dumps(obj).encode(), []
 
 
 @pytest.fixture

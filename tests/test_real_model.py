@@ -79,3 +79,28 @@ def test_bf16_speculation_stays_on_the_float32_argmax(smollm2) -> None:
     gap = rows.max(dim=1).values - chosen
     spread = rows.max(dim=1).values - rows.median(dim=1).values
     assert bool((gap <= 0.05 * spread).all()), f"largest gap {float(gap.max()):.4f}"
+
+
+def test_int8_speculation_is_token_identical_on_a_real_model(smollm2) -> None:
+    """int8 linears + float64 attention: verify, decode and chunked prefill compute the same rows."""
+    from thinkahead.quantize import quantize_int8
+    from thinkahead.token_spec.prefix_pool import KVPrefixPool
+
+    model, tokenizer, prompt = smollm2
+    engine = HFEngine(quantize_int8(copy.deepcopy(model)))
+    reference = plain_greedy(engine, prompt, 160)
+    cache = SuffixCache()
+    pool = KVPrefixPool(engine)
+    pool.release(*_prefilled(engine, prompt[: len(prompt) // 2]))  # later prompts reuse half of it
+    for drafter in (SuffixDrafter(cache), SuffixDrafter(cache, tree=True), PromptLookupDrafter()):
+        decoder = SpeculativeDecoder(engine, drafter, MatchLengthController(16), tokenizer, prefix_pool=pool)
+        result = decoder.generate(prompt, 160, stop_token_ids=[])
+        assert result.token_ids == reference, drafter.name
+        assert result.stats.spec_num_correct_drafts > 0, drafter.name
+    assert pool.hits >= 3
+
+
+def _prefilled(engine: HFEngine, tokens: list[int]):
+    session = engine.new_session()
+    engine.forward(session, tokens, last_only=True)
+    return session, tokens

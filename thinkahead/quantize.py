@@ -13,6 +13,10 @@ maximum, and one fixed anchor row `[1, -1, 0, ...]` pins fbgemm's per-tensor ran
 the quantization parameters never depend on the batch. Integer accumulation is exact, so a row's
 output is bit-identical whether it is computed alone or among k others.
 
+Attention is the other shape-dependent piece: `quantize_int8` also switches the model to float64
+attention (thinkahead/exact_attention.py), whose rows round to the same float32 values however
+many tokens share the forward.
+
 Numerics: weights are rounded to int8 per output channel (on top of the 4-bit GGUF quantization the
 packaged models already carry); activations get 7 bits per token (fbgemm's reduce_range).
 """
@@ -60,7 +64,10 @@ class RowwiseInt8Linear(torch.nn.Module):
 
 
 def quantize_int8(model: Any) -> Any:
-    """Cast `model` to float32 and replace every `nn.Linear` with `RowwiseInt8Linear`, in place."""
+    """Cast `model` to float32, replace every `nn.Linear` with `RowwiseInt8Linear` and switch to
+    batch-invariant attention, in place."""
+    from thinkahead.exact_attention import use_exact_attention
+
     engines = torch.backends.quantized.supported_engines
     if "fbgemm" not in engines:
         raise ValueError(f"int8 needs PyTorch's fbgemm quantized engine (x86); this build has {engines}")
@@ -70,5 +77,6 @@ def quantize_int8(model: Any) -> Any:
         for name, child in list(parent.named_children()):
             if isinstance(child, torch.nn.Linear):
                 setattr(parent, name, RowwiseInt8Linear(child))
+    use_exact_attention(model)
     model.eval()
     return model

@@ -112,6 +112,15 @@ def check_messages(messages: list[dict[str, str]]) -> None:
             raise ValueError(f"messages[{i}] must be a dict with string 'role' and 'content', got {m!r}")
 
 
+def resolve_tokenizer(tokenizer: Any) -> Any:
+    """A tokenizer object: a spec string (registry name, hub id, directory) is loaded, anything else kept."""
+    if isinstance(tokenizer, str):
+        from thinkahead.model_registry import load_tokenizer
+
+        return load_tokenizer(tokenizer)
+    return tokenizer
+
+
 def render_plain(messages: list[dict[str, str]], continue_final: bool = False) -> str:
     """A template-free rendering ("role: content" blocks) for backends without a chat template."""
     check_messages(messages)

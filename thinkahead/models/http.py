@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import random
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -292,6 +293,13 @@ class HttpClient:
             return f"{kind} after {self.timeout_s:g} s"
         detail = str(exc) or type(exc).__name__
         return f"connection error ({type(exc).__name__}: {detail})"
+
+
+def bearer_headers(api_key: str | None, env_var: str) -> dict[str, str]:
+    """The Authorization header for `api_key`, else for the key in environment variable `env_var`."""
+    if api_key is None:
+        api_key = os.environ.get(env_var)
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
 def _error_message(resp: httpx.Response) -> str:

@@ -13,7 +13,6 @@ Transport, retries and errors come from `thinkahead.models.http.HttpClient`.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -25,8 +24,9 @@ from thinkahead.models.base import (
     prompt_text,
     render_chat,
     render_plain,
+    resolve_tokenizer,
 )
-from thinkahead.models.http import HttpClient, ModelServerError
+from thinkahead.models.http import HttpClient, ModelServerError, bearer_headers
 
 
 class OpenAIModel(LanguageModel):
@@ -59,16 +59,9 @@ class OpenAIModel(LanguageModel):
     ) -> None:
         if not isinstance(model, str) or not model:
             raise ValueError(f"model must be a non-empty string, got {model!r}")
-        if api_key is None:
-            api_key = os.environ.get("OPENAI_API_KEY")
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.model = model
         self.name = model
-        if isinstance(tokenizer, str):
-            from thinkahead.model_registry import load_tokenizer
-
-            tokenizer = load_tokenizer(tokenizer)
-        self.tokenizer = tokenizer
+        self.tokenizer = resolve_tokenizer(tokenizer)
         self.extra_body: dict[str, Any] = dict(extra_body or {})
         self.client = HttpClient(
             base_url,
@@ -76,7 +69,7 @@ class OpenAIModel(LanguageModel):
             max_retries=max_retries,
             backoff_s=backoff_s,
             max_connections=max_connections,
-            headers=headers,
+            headers=bearer_headers(api_key, "OPENAI_API_KEY"),
         )
 
     def __repr__(self) -> str:

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -36,8 +35,9 @@ from urllib.parse import urlparse
 
 from thinkahead.models.base import (
     Completion, GenerationRequest, LanguageModel, encode_prompt, prompt_text, render_chat, render_plain,
+    resolve_tokenizer,
 )
-from thinkahead.models.http import HttpClient, ModelServerError
+from thinkahead.models.http import HttpClient, ModelServerError, bearer_headers
 
 FINISH_TYPES = ("stop", "length")
 
@@ -88,21 +88,14 @@ class SGLangModel(LanguageModel):
             raise ValueError(f"base_url is the SGLang server's root (http://HOST:PORT), not its /v1 path: {base_url!r}")
         if model is not None and (not isinstance(model, str) or not model):
             raise ValueError(f"model must be a non-empty string or None, got {model!r}")
-        if api_key is None:
-            api_key = os.environ.get("SGLANG_API_KEY")
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        if isinstance(tokenizer, str):
-            from thinkahead.model_registry import load_tokenizer
-
-            tokenizer = load_tokenizer(tokenizer)
-        self.tokenizer = tokenizer
+        self.tokenizer = resolve_tokenizer(tokenizer)
         self.client = HttpClient(
             base_url,
             timeout_s=timeout_s,
             max_retries=max_retries,
             backoff_s=backoff_s,
             max_connections=max_connections,
-            headers=headers,
+            headers=bearer_headers(api_key, "SGLANG_API_KEY"),
         )
         self.name = model or f"sglang@{urlparse(self.client.base_url).netloc}"
         self.stream = bool(stream)
