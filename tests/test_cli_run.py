@@ -124,16 +124,24 @@ def test_recorded_generations_replay_in_the_simulator(tiny_model_dir, tmp_path):
     ran = CliRunner().invoke(main, ["run", str(tasks), "--policy", "small", "--record", str(recording),
                                     *base_args(tiny_model_dir, tmp_path / "runs.jsonl")])
     assert ran.exit_code == 0, ran.output
-    records = [json.loads(line) for line in recording.read_text().splitlines()]
+    lines = [json.loads(line) for line in recording.read_text().splitlines()]
+    records = [r for r in lines if not r.get("end")]
     runs = ResultStore(tmp_path / "runs.jsonl").latest()
     assert len(records) == sum(r.cost["model_calls"] for r in runs.values())
     assert {r["session_id"] for r in records} == {"0/answer", "1/answer"}  # one session per reasoning chain
     assert all(r["prompt_ids"] and r["output_ids"] for r in records)
+    assert sorted(r["session_id"] for r in lines if r.get("end")) == ["0/answer", "1/answer"]  # ended with the run
 
     from thinkahead.token_spec.recording import read_sessions
 
     sessions = read_sessions(recording)
     assert sorted(len(s) for s in sessions) == sorted(r.cost["model_calls"] for r in runs.values())
+    # The same tasks again (another configuration, same run ids): new sessions, not continuations.
+    again = CliRunner().invoke(main, ["run", str(tasks), "--policy", "small", "--record", str(recording),
+                                      *base_args(tiny_model_dir, tmp_path / "runs-again.jsonl")])
+    assert again.exit_code == 0, again.output
+    assert sorted(len(s) for s in read_sessions(recording)) == sorted([len(s) for s in sessions] * 2)
+    recording.write_text("\n".join(json.dumps(r) for r in lines) + "\n")  # back to the first run only
     shown = CliRunner().invoke(main, ["simulate", str(recording), "--drafters", "suffix,combined"])
     assert shown.exit_code == 0, shown.output
     assert f"2 sessions, {len(records)} generations" in shown.output

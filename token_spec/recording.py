@@ -1,8 +1,10 @@
 """Token recordings: every generation's prompt and output ids, appended to JSONL as they happen.
 
 A model run with `record=PATH` writes one line per generation (model, session, prompt ids,
-output ids). `read_sessions` groups them back into agent sessions, in order, so the simulator
-can replay real outputs through any drafter with no model (`thinkahead simulate`).
+output ids) and one line when a session ends. `read_sessions` groups them back into agent
+sessions, in order, so the simulator can replay real outputs through any drafter with no model
+(`thinkahead simulate`). The end lines matter when a session id comes back later (a benchmark
+runs the same tasks under several configurations): that is a new session, not a continuation.
 """
 
 from __future__ import annotations
@@ -27,8 +29,15 @@ class TokenRecorder:
         self._lock = threading.Lock()
 
     def record(self, model: str, session_id: str | None, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> None:
-        line = json.dumps({"model": model, "session_id": session_id, "prompt_ids": list(prompt_ids),
-                           "output_ids": list(output_ids)}) + "\n"
+        self._append({"model": model, "session_id": session_id, "prompt_ids": list(prompt_ids),
+                      "output_ids": list(output_ids)})
+
+    def end_session(self, model: str, session_id: str) -> None:
+        """Note that `session_id` ended: a later generation under that id starts a new session."""
+        self._append({"model": model, "session_id": session_id, "end": True})
+
+    def _append(self, record: dict) -> None:
+        line = json.dumps(record) + "\n"
         with self._lock, open(self.path, "a", encoding="utf-8") as f:
             f.write(line)
 
@@ -42,7 +51,8 @@ def read_sessions(path: str | os.PathLike[str], model: str | None = None) -> lis
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"token recording {path} does not exist")
-    sessions: dict[object, list[Turn]] = {}
+    open_sessions: dict[object, list[Turn]] = {}
+    sessions: list[list[Turn]] = []  # in order of each session's first generation
     models: set[str] = set()
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
@@ -51,13 +61,20 @@ def read_sessions(path: str | os.PathLike[str], model: str | None = None) -> lis
             try:
                 record = json.loads(line)
                 name, sid = record["model"], record["session_id"]
+                if record.get("end"):
+                    open_sessions.pop((name, sid), None)
+                    continue
                 turn = Turn([int(t) for t in record["prompt_ids"]], [int(t) for t in record["output_ids"]])
             except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
                 raise ValueError(f"{path}:{lineno}: not a token record ({exc})") from exc
             models.add(name)
             if model is not None and name != model:
                 continue
-            sessions.setdefault((name, sid) if sid is not None else (name, "line", lineno), []).append(turn)
+            key = (name, sid) if sid is not None else (name, "line", lineno)
+            if key not in open_sessions:
+                open_sessions[key] = []
+                sessions.append(open_sessions[key])
+            open_sessions[key].append(turn)
     if model is None and len(models) > 1:
         raise ValueError(f"{path} holds generations of several models ({', '.join(sorted(models))}); pick one")
-    return list(sessions.values())
+    return sessions

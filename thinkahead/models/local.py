@@ -95,6 +95,8 @@ class LocalModel(LanguageModel):
         def end() -> None:
             with self._lock:
                 self.suffix_cache.end_session(session_id)
+            if self.recorder is not None:
+                self.recorder.end_session(self.name, session_id)
 
         await asyncio.to_thread(end)
 
