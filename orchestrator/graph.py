@@ -130,9 +130,14 @@ class StepGraph:
         max_tokens: int = 256,
         stop: list[str] | None = None,
         temperature: float = 0.0,
+        strip: bool = True,
     ) -> StepGraph:
         """One model call. `prompt` is a template over the state, or a function of the state
-        returning the user text or a whole message list (then declare its `inputs`)."""
+        returning the user text or a whole message list (then declare its `inputs`).
+
+        The output is the completion's text, stripped of surrounding whitespace unless
+        `strip=False`: a loop that feeds the text back verbatim (a ReAct transcript) keeps each
+        turn's prompt an exact extension of the last one, so caches continue instead of rebuilding."""
         if tier not in TIERS:
             raise GraphError(f"node {name!r}: tier must be one of {TIERS}, got {tier!r}")
         if isinstance(prompt, str):
@@ -143,7 +148,7 @@ class StepGraph:
             raise GraphError(f"node {name!r}: prompt must be a template string or a callable, got {type(prompt).__name__}")
         return self._add(Node(name, "generate", output or name, reads, {
             "prompt": prompt, "tier": tier, "system": system, "max_tokens": max_tokens,
-            "stop": list(stop or []), "temperature": temperature,
+            "stop": list(stop or []), "temperature": temperature, "strip": strip,
         }))
 
     def add_tool(

@@ -273,7 +273,7 @@ class Runtime:
             temperature=spec["temperature"], speculative=self.speculative, session_id=run.session_id(node.name),
         )
         completion = await run.models[spec["tier"]].generate(request)
-        run.state[node.output] = completion.text.strip()
+        run.state[node.output] = completion.text.strip() if spec["strip"] else completion.text
         return {"model": spec["tier"], "finish_reason": completion.finish_reason, "spec": completion.spec,
                 "model_time_s": round(completion.time_s, 6)}
 

@@ -58,6 +58,19 @@ def test_react_calls_the_tool_and_feeds_the_observation_back():
     assert result.outputs["observe"]["calls"] == 1
 
 
+def test_react_prompts_extend_the_previous_prompt_and_output_exactly():
+    # The next turn's prompt is the last prompt + the model's text as generated (leading space
+    # included) + the observation, so KV prefixes and session suffix trees continue, not rebuild.
+    outputs = [" I need the product.\nAction: calculator[17*23]\n", " Add one.\nAction: calculator[391+1]\n",
+               " Done.\nFinal Answer: 392"]
+    large = ScriptedModel(outputs=outputs)
+    result = run(react(), "What is 17 * 23 + 1?", large=large)
+    assert result.ok and result.answer == "392"
+    prompts = large.generated_prompts()
+    for turn in range(2):
+        assert prompts[turn + 1].startswith(prompts[turn] + outputs[turn])
+
+
 def test_react_reports_unknown_tools_and_is_bounded():
     large = ScriptedModel(outputs=[" try\nAction: search[weather]"])
     result = run(react(max_turns=3), "q", large=large)

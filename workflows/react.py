@@ -55,7 +55,9 @@ def react(*, tools: dict[str, Callable[[str], str]] | None = None, max_turns: in
 
     def observe(state: dict) -> dict:
         previous = state.get("observe") or {"transcript": "", "final": None, "calls": 0}
-        text = "Thought:" + state["act"] if not state["act"].lstrip().startswith("Thought:") else state["act"]
+        # the model's text exactly as generated, so the next prompt extends this one token for token
+        act = state["act"]
+        text = act.lstrip() if act.lstrip().startswith("Thought:") else "Thought:" + act
         parsed = parse_turn(text)
         transcript = previous["transcript"] + text.rstrip() + "\n"
         if isinstance(parsed, str):
@@ -78,7 +80,8 @@ def react(*, tools: dict[str, Callable[[str], str]] | None = None, max_turns: in
 
     g = StepGraph("react", inputs=["question"], output="answer")
     g.add_loop("turns", max_iters=max_turns, condition=lambda s: (s.get("observe") or {}).get("final") is None)
-    g.add_generate("act", act_prompt, tier=tier, inputs=["question"], max_tokens=max_tokens, stop=["Observation:"])
+    g.add_generate("act", act_prompt, tier=tier, inputs=["question"], max_tokens=max_tokens, stop=["Observation:"],
+                   strip=False)
     g.add_tool("observe", observe, inputs=["act"])
     g.add_tool("answer", answer, inputs=[])
     g.add_edge(START, "turns")
