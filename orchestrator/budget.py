@@ -156,6 +156,9 @@ class MeteredModel(LanguageModel):
     async def continuation_logprobs(self, prompt: str, continuation: str) -> list[float]:
         return await self._call(self.inner.continuation_logprobs, prompt, continuation, judge=True)
 
+    async def continuation_scores(self, prompt: str, continuation: str):
+        return await self._call(self.inner.continuation_scores, prompt, continuation, judge=True)
+
     def render(self, messages: list[dict[str, str]], continue_final: bool = False) -> str:
         return self.inner.render(messages, continue_final)
 

@@ -57,7 +57,7 @@ class BatchSummary:
             return
         self.steps += 1
         self.small_steps += data.get("author") == "small"
-        if data.get("verdict") in ("accepted", "rejected"):
+        if data.get("verdict") in ("accepted", "rejected", "repaired"):
             self.judged += 1
             self.accepted += data["verdict"] == "accepted"
 

@@ -3,8 +3,11 @@
 Every policy implements `next_step(ctx) -> StepOutcome`:
 - `large`, `small`: baselines, one model writes everything;
 - `specreason`: the small model drafts, the large model judges it 0-9 in one forward pass; below
-  the threshold the large model rewrites the step (SpecReason). With `lookahead`, the small model
-  drafts step i+1 while step i is being judged, and the guess is dropped if step i is rejected;
+  the threshold the large model rewrites the step (SpecReason). `judge="agreement"` replaces the
+  judge prompt by the large model re-reading the step (`AgreementVerifier`): a failed step keeps
+  its text up to the first token the large model disagrees with, and the large model writes the
+  rest ("repaired"). With `lookahead`, the small model drafts step i+1 while step i is being
+  judged, and the guess is dropped if step i is rejected;
 - `arbitrage`: a router decides before drafting whether the large model should write (Arbitrage);
 - `reflect`: the small model writes; a step that opens with a reflection cue ("wait", ...) is
   handed to the large model (Speculative Thinking).
@@ -23,6 +26,7 @@ from thinkahead.step_spec.state import StepContext, StepOutcome
 from thinkahead.verifiers.judge import LLMJudge
 
 POLICY_NAMES = ("large", "small", "specreason", "arbitrage", "reflect")
+JUDGES = ("llm", "agreement")  # specreason's verifier: the 0-9 judge prompt, or token agreement
 
 
 class StepPolicy(Protocol):
@@ -115,9 +119,15 @@ class SpecReason:
         first_large_steps: int = 0,
         lookahead: bool = False,
         verifier=None,
+        judge: str = "llm",
+        margin: float = 1.0,
     ) -> None:
         if first_large_steps < 0:
             raise ValueError(f"first_large_steps must be >= 0, got {first_large_steps}")
+        if judge not in JUDGES:
+            raise ValueError(f"specreason judge must be one of {', '.join(JUDGES)}, got {judge!r}")
+        self.judge = judge
+        self.margin = margin
         self.threshold = threshold
         self.score_mode = score_mode
         self.first_large_steps = first_large_steps
@@ -126,8 +136,15 @@ class SpecReason:
         self._ahead: tuple[str, asyncio.Task[Written]] | None = None  # (reasoning it continues, draft task)
 
     def judge_for(self, ctx: StepContext):
-        if self._judge is None or (isinstance(self._judge, LLMJudge) and self._judge.model is not ctx.large):
-            self._judge = LLMJudge(ctx.large, self.threshold, self.score_mode)  # type: ignore[arg-type]
+        """The verifier given at construction, else one over this run's large model."""
+        from thinkahead.verifiers.prm import AgreementVerifier
+
+        built = (LLMJudge, AgreementVerifier)
+        if self._judge is None or (isinstance(self._judge, built) and self._judge.model is not ctx.large):
+            if self.judge == "agreement":
+                self._judge = AgreementVerifier(ctx.large, self.margin)  # type: ignore[arg-type]
+            else:
+                self._judge = LLMJudge(ctx.large, self.threshold, self.score_mode)  # type: ignore[arg-type]
         return self._judge
 
     async def next_step(self, ctx: StepContext) -> StepOutcome:
@@ -142,12 +159,26 @@ class SpecReason:
             guess = _with_reasoning(ctx, ctx.reasoning + draft.step.text)
             self._ahead = (ctx.reasoning + draft.step.text, asyncio.create_task(write_step(ctx, "small", guess)))
         verdict = await judge.judge(messages, draft.step.text)
+        keep = int(verdict.details.get("keep_chars", 0))
         if verdict.accept:
             out = outcome(draft, "accepted", score=verdict.score, judge_calls=1)
+        elif keep > 0:
+            await self._drop_lookahead()
+            out = await self._repair(ctx, draft, draft.step.text[:keep], verdict.score)
         else:
             await self._drop_lookahead()
             out = discard(outcome(await write_step(ctx, "large"), "rejected", score=verdict.score, judge_calls=1), draft)
         out.time_s = time.perf_counter() - t0
+        return out
+
+    async def _repair(self, ctx: StepContext, draft: Written, kept: str, score: float) -> StepOutcome:
+        """The large model finishes the step from the kept start of the draft."""
+        rest = await write_step(ctx, "large", _with_reasoning(ctx, ctx.reasoning + kept))
+        out = outcome(rest, "repaired", score=score, judge_calls=1)
+        out.text = kept + out.text
+        out.tokens[draft.tier] += draft.tokens
+        out.time_s += draft.completion.time_s
+        out.discarded = draft.step.text[len(kept):]
         return out
 
     async def _draft(self, ctx: StepContext) -> Written:

@@ -16,7 +16,8 @@ class StepOutcome:
     """One reasoning step: what it says, who wrote it, why, and what it cost.
 
     `tokens` counts generated tokens per tier, discarded drafts included; `verdict` is one of
-    "baseline" (a one-model policy), "accepted" / "rejected" (judged), "forced" (the first steps
+    "baseline" (a one-model policy), "accepted" / "rejected" (judged), "repaired" (judged, the
+    draft kept up to the first disagreeing token, the large model wrote the rest), "forced" (the first steps
     go to the large model), "routed" (a router's choice), "reflection" (handed over on a cue),
     "collected" (router training: both wrote, the better one kept), "final" (the forced final answer).
     """

@@ -56,6 +56,19 @@ def test_next_token_logprobs(local) -> None:
         asyncio.run(local.next_token_logprobs(prompt, top_k=0))
 
 
+def test_continuation_scores_mark_where_the_model_disagrees(local) -> None:
+    prompt = local.render([{"role": "user", "content": QUESTION}])
+    own = asyncio.run(local.generate(GenerationRequest(prompt=prompt, max_new_tokens=12, speculative=False))).text
+    scores = asyncio.run(local.continuation_scores(prompt, own))
+    assert "".join(t.text for t in scores) == own
+    assert all(t.gap == 0.0 for t in scores)  # its own greedy text: every token is its top choice
+    logprobs = asyncio.run(local.continuation_logprobs(prompt, own))
+    assert [round(t.logprob, 5) for t in scores] == [round(lp, 5) for lp in logprobs]
+    edited = own.replace("1", "7", 1) if "1" in own else own + " 7"
+    worst = max(asyncio.run(local.continuation_scores(prompt, edited)), key=lambda t: t.gap)
+    assert "7" in worst.text and worst.gap > 1.0  # the edited digit is what the model objects to
+
+
 def test_bad_construction() -> None:
     with pytest.raises(ValueError, match="drafter"):
         LocalModel("smollm2-135m", drafter="draft-model")

@@ -245,6 +245,15 @@ def test_continuation_logprobs(server: FakeSGLangServer) -> None:
     assert body["input_ids"] == encode("Q: 2+2? A: 4") and body["logprob_start_len"] == len("Q: 2+2? A:")
 
 
+def test_continuation_scores(server: FakeSGLangServer) -> None:
+    model = make_model(server, tokenizer=CharTokenizer())
+    scores = run_model(model, lambda m: m.continuation_scores("Q: 2+2? A:", " 4"))
+    assert [(t.text, t.logprob, t.gap) for t in scores] == [(" ", -0.5, 0.0), ("4", -0.5, 0.0)]
+    body = generate_bodies(server)[-1]
+    assert body["top_logprobs_num"] == 1 and body["return_text_in_logprobs"] is True
+    assert body["logprob_start_len"] == len("Q: 2+2? A:")
+
+
 def test_logprob_start_len_past_the_prompt_is_refused(server: FakeSGLangServer) -> None:
     reply = httpx.post(server.url + "/generate", json={"text": "abc", "return_logprob": True, "logprob_start_len": 9})
     assert reply.status_code == 400 and "Please use a smaller logprob_start_len" in reply.json()["error"]["message"]

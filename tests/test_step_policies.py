@@ -219,6 +219,49 @@ def test_likelihood_prm_scores_and_plugs_into_specreason() -> None:
         LikelihoodPRM(large, threshold=10)
 
 
+class AgreeingModel(ScriptedModel):
+    """Scores continuations word by word: the model prefers another token by `gaps[word]` nats."""
+
+    def __init__(self, outputs, gaps: dict[str, float], **kw) -> None:
+        super().__init__(outputs, **kw)
+        self.gaps = gaps
+
+    async def continuation_scores(self, prompt, continuation):
+        import re
+
+        from thinkahead.models.base import TokenScore
+
+        words = re.findall(r"\s*\S+|\s+", continuation)
+        return [TokenScore(w, -0.1 - self.gaps.get(w.strip(), 0.0), -0.1) for w in words]
+
+
+def test_agreement_judge_checks_digits_and_repairs_from_the_first_disagreement() -> None:
+    from thinkahead.verifiers.prm import AgreementVerifier
+
+    # "41" is a wrong product the large model disagrees with; "sum" is a wording difference
+    small = ScriptedModel(["17 * 3 = 51, the sum.\n\n", "17 * 2 = 41 so far.\n\n", "Answer: 85"], name="small")
+    large = AgreeingModel([" 34 so far.\n\n"], gaps={"41": 3.0, "sum.": 2.0}, name="large")
+    result = run(StepLoop(small, large, SpecReason(judge="agreement", margin=1.0)))
+    steps = [(s.author, s.verdict, s.text) for s in result.steps]
+    assert steps[:2] == [("small", "accepted", "17 * 3 = 51, the sum.\n\n"),
+                         ("large", "repaired", "17 * 2 = 34 so far.\n\n")]
+    repaired = result.steps[1]
+    assert repaired.discarded == " 41 so far.\n\n" and round(repaired.score, 3) == round(9 * math.exp(-3.0), 3)
+    assert repaired.tokens == {"small": 7, "large": 3}  # the whole draft, and the large model's rest
+    # the large model continued the kept start of the draft, not the step boundary
+    assert large.calls[-1].request.messages[-1]["content"] == "17 * 3 = 51, the sum.\n\n17 * 2 ="
+    assert result.judge_calls == 3 and "85" in result.answer
+    # checking every token fails the wording step too; nothing before its first token: a full rewrite
+    all_tokens = AgreementVerifier(large, margin=1.0, check="all")
+    verdict = asyncio.run(all_tokens.judge([{"role": "user", "content": "q"}], "sum. 17"))
+    assert not verdict.accept and verdict.details["keep_chars"] == 0
+    for bad in ({"margin": 0}, {"margin": "1"}, {"check": "words"}):
+        with pytest.raises(ValueError, match="agreement"):
+            AgreementVerifier(large, **bad)
+    with pytest.raises(ValueError, match="judge must be one of llm, agreement"):
+        SpecReason(judge="prm")
+
+
 def test_router_train_command(tmp_path) -> None:
     from click.testing import CliRunner
 

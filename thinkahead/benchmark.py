@@ -31,25 +31,28 @@ class BenchConfig:
     policy: str
     threshold: float | None = None
     token_spec: bool = True
+    judge: str = "llm"  # specreason's verifier ("agreement": thresholds do not apply)
 
     @property
     def label(self) -> str:
-        name = self.policy if self.threshold is None else f"{self.policy}@{self.threshold:g}"
+        name = f"{self.policy}-agreement" if self.policy == "specreason" and self.judge == "agreement" else self.policy
+        name = name if self.threshold is None else f"{name}@{self.threshold:g}"
         return name if self.token_spec else f"{name}/no-token-spec"
 
 
-def matrix(policies: list[str], thresholds: list[float], token_spec: str) -> list[BenchConfig]:
-    """Every policy (specreason once per threshold) with token speculation "on", "off" or "both"."""
+def matrix(policies: list[str], thresholds: list[float], token_spec: str, judge: str = "llm") -> list[BenchConfig]:
+    """Every policy (specreason once per threshold of the LLM judge) with token speculation "on",
+    "off" or "both"."""
     if token_spec not in ("on", "off", "both"):
         raise ValueError(f"token_spec must be 'on', 'off' or 'both', got {token_spec!r}")
     specs = {"on": [True], "off": [False], "both": [True, False]}[token_spec]
     out = []
     for policy in policies:
         for spec in specs:
-            if policy == "specreason" and thresholds:
+            if policy == "specreason" and thresholds and judge == "llm":
                 out.extend(BenchConfig(policy, t, spec) for t in thresholds)
             else:
-                out.append(BenchConfig(policy, None, spec))
+                out.append(BenchConfig(policy, None, spec, judge if policy == "specreason" else "llm"))
     return out
 
 
@@ -96,6 +99,7 @@ def run_bench(
         cfg["policy"]["name"] = config.policy
         if config.threshold is not None:
             cfg["policy"]["threshold"] = config.threshold
+        cfg["policy"]["judge"] = config.judge
         cfg["token_spec"] = config.token_spec
         orch = Orchestrator(small, large, config=cfg)
         _clear_caches([small, large])

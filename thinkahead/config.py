@@ -61,6 +61,8 @@ class PolicyConfig(BaseModel, extra="forbid"):
     name: Literal["large", "small", "specreason", "arbitrage", "reflect"] = "specreason"
     threshold: float = Field(default=7.0, ge=0, le=9)
     score_mode: Literal["greedy", "expected"] = "greedy"
+    judge: Literal["llm", "agreement"] = "llm"  # specreason's verifier: 0-9 judge prompt, or token agreement
+    margin: float = Field(default=1.0, gt=0, lt=50)  # agreement: nats a drafted digit may trail the large model's choice
     first_large_steps: int = Field(default=0, ge=0)
     lookahead: bool = False
     router: str = "heuristic"
@@ -69,8 +71,8 @@ class PolicyConfig(BaseModel, extra="forbid"):
         from thinkahead.step_spec.policies import make_policy
 
         if self.name == "specreason":
-            return make_policy(self.name, threshold=self.threshold, score_mode=self.score_mode,
-                               first_large_steps=self.first_large_steps, lookahead=self.lookahead)
+            return make_policy(self.name, threshold=self.threshold, score_mode=self.score_mode, judge=self.judge,
+                               margin=self.margin, first_large_steps=self.first_large_steps, lookahead=self.lookahead)
         if self.name == "arbitrage":
             return make_policy(self.name, router=self.router)
         return make_policy(self.name)

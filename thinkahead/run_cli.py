@@ -26,6 +26,11 @@ def orchestrator_options(fn):
         click.option("--large", default=None, help="Large (judging) model spec [qwen2.5-coder-1.5b]."),
         click.option("--dtype", type=click.Choice(list(DTYPES)), default=None, help="Local model dtype [int8]."),
         click.option("--threshold", type=float, default=None, help="specreason: accept drafts scoring at least this [7]."),
+        click.option("--judge", type=click.Choice(["llm", "agreement"]), default=None,
+                     help="specreason's verifier: the large model's 0-9 judge prompt, or token agreement (the large "
+                          "model re-reads the step; a digit it disagrees with by more than --margin fails it) [llm]."),
+        click.option("--margin", type=float, default=None, help="Agreement judge: nats a drafted digit token may "
+                     "trail the large model's own choice [1.0]."),
         click.option("--max-steps", type=int, default=None, help="Steps per reasoning chain [16]."),
         click.option("--max-tokens", type=int, default=None, help="Generated tokens per reasoning chain [1024]."),
         click.option("--step-tokens", type=int, default=None, help="Token cap per step [128]."),
@@ -39,7 +44,7 @@ def orchestrator_options(fn):
 
 
 def build_settings(config_path, small, large, dtype, threshold, max_steps, max_tokens, step_tokens, no_token_spec,
-                   record=None, **extra: Any) -> dict[str, Any]:
+                   record=None, judge=None, margin=None, **extra: Any) -> dict[str, Any]:
     """An `OrchestratorConfig` as a dict: the file's values, overridden by the options given."""
     from thinkahead.config import OrchestratorConfig
 
@@ -55,8 +60,9 @@ def build_settings(config_path, small, large, dtype, threshold, max_steps, max_t
             data[tier]["dtype"] = dtype
         if record is not None:
             data[tier]["record"] = str(record)
-    if threshold is not None:
-        data["policy"]["threshold"] = threshold
+    for key, value in (("threshold", threshold), ("judge", judge), ("margin", margin)):
+        if value is not None:
+            data["policy"][key] = value
     if max_steps is not None:
         data["steps"]["max_steps"] = max_steps
     if max_tokens is not None:
@@ -334,7 +340,7 @@ def bench(input_path, suite, workflow, policies, thresholds, token_spec, out_dir
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
     settings = build_settings(**options, workflow=workflow or suite_workflow)
-    configs = matrix(names, sweep, token_spec)
+    configs = matrix(names, sweep, token_spec, judge=settings["policy"]["judge"])
 
     def progress(config, result) -> None:
         click.echo(f"{config.label}: {result.id} {result.status} answer={result.answer!r}"

@@ -1,12 +1,21 @@
 """Process reward models: any model that scores one reasoning step, on the judge's 0-9 scale.
 
 A PRM is a `StepVerifier`: `judge(messages, step) -> Verdict`, so SpecReason can take a trained
-PRM, the LLM judge, or the likelihood scorer here interchangeably.
+PRM, the LLM judge, or the scorers here interchangeably.
 
 `LikelihoodPRM` scores a step by how likely the (large) model finds it: the geometric-mean token
 probability of the step under the model, times 9, in one forward pass over the step (the prefix is
 shared with generation, so a prefix cache reads only the step). It needs no judge prompt, which
 small instruction models follow poorly; it does penalise unusual wording as well as wrong content.
+
+`AgreementVerifier` asks a sharper question in the same single pass: is there a token where the
+large model's own choice is far likelier than the drafted one? By default only tokens with digits
+are checked: on GSM8K the small model's steps go wrong in their numbers, while wording differences
+between two models are everywhere and harmless (measured on the gsm8k-50 specreason traces: some
+token of 70% of the 0.5B model's steps is over 0.7 nats below the 1.5B model's choice, a digit
+token in only 13% of them, and those flag 12 of the 19 runs that the 1.5B model alone got right and
+SpecReason got wrong). A failed step keeps its text up to the first disagreeing token
+(`details["keep_chars"]`), so the large model rewrites only the rest.
 """
 
 from __future__ import annotations
@@ -15,7 +24,7 @@ import math
 import time
 from typing import Protocol
 
-from thinkahead.models.base import LanguageModel
+from thinkahead.models.base import LanguageModel, TokenScore
 from thinkahead.verifiers.judge import Verdict
 
 
@@ -47,3 +56,38 @@ class LikelihoodPRM:
         score = 9.0 * math.exp(mean)
         return Verdict(score=score, accept=score >= self.threshold, time_s=time.perf_counter() - t0,
                        details={"mean_logprob": mean, "tokens": float(len(logprobs))})
+
+
+class AgreementVerifier:
+    """Fail a step at the first checked token whose drafted choice is more than `margin` nats less
+    likely than the model's own; score = 9 x exp(-largest such gap), on the judge's 0-9 scale."""
+
+    def __init__(self, model: LanguageModel, margin: float = 1.0, check: str = "digits") -> None:
+        if not (isinstance(margin, (int, float)) and 0 < margin < 50):
+            raise ValueError(f"agreement margin must be a number of nats in (0, 50), got {margin!r}")
+        if check not in ("digits", "all"):
+            raise ValueError(f"agreement check must be 'digits' or 'all', got {check!r}")
+        self.model = model
+        self.margin = float(margin)
+        self.check = check
+        self.threshold = 9.0 * math.exp(-self.margin)
+
+    def checked(self, token: TokenScore) -> bool:
+        return self.check == "all" or any(c.isdigit() for c in token.text)
+
+    async def judge(self, messages: list[dict[str, str]], step: str) -> Verdict:
+        if not step.strip():
+            return Verdict(score=0.0, accept=False, judge_calls=0)
+        t0 = time.perf_counter()
+        continuing = bool(messages) and messages[-1]["role"] == "assistant"
+        prompt = self.model.render(messages, continue_final=continuing)
+        tokens = await self.model.continuation_scores(prompt, step)
+        gaps = [t.gap if self.checked(t) else 0.0 for t in tokens]
+        worst = max(gaps, default=0.0)
+        first_bad = next((i for i, g in enumerate(gaps) if g > self.margin), None)
+        details = {"worst_gap": worst, "tokens": float(len(tokens))}
+        if first_bad is not None:
+            kept = "".join(t.text for t in tokens[:first_bad])
+            details["keep_chars"] = float(len(kept) if step.startswith(kept) else 0)  # token texts may not rejoin
+        return Verdict(score=9.0 * math.exp(-worst), accept=first_bad is None, time_s=time.perf_counter() - t0,
+                       details=details)

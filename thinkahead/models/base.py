@@ -72,6 +72,21 @@ class Completion:
         return asdict(self)
 
 
+@dataclass(slots=True)
+class TokenScore:
+    """One token of a scored continuation: its text, its log-probability, and the log-probability
+    of the token the model itself would have picked there (equal when the model agrees)."""
+
+    text: str
+    logprob: float
+    top_logprob: float
+
+    @property
+    def gap(self) -> float:
+        """How many nats likelier the model's own choice is than this token (0 when it agrees)."""
+        return max(0.0, self.top_logprob - self.logprob)
+
+
 class LanguageModel(abc.ABC):
     """A model the orchestrator can call. Subclasses implement the two async methods."""
 
@@ -87,6 +102,11 @@ class LanguageModel(abc.ABC):
 
     async def continuation_logprobs(self, prompt: str, continuation: str) -> list[float]:
         """Log-probability of each token of `continuation` after `prompt` (likelihood judges)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot score a given continuation")
+
+    async def continuation_scores(self, prompt: str, continuation: str) -> list[TokenScore]:
+        """Each token of `continuation` after `prompt` with the model's own top choice beside it,
+        in one forward pass (agreement verifiers)."""
         raise NotImplementedError(f"{type(self).__name__} cannot score a given continuation")
 
     def render(self, messages: list[dict[str, str]], continue_final: bool = False) -> str:

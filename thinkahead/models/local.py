@@ -16,7 +16,7 @@ import threading
 from typing import Any
 
 from thinkahead.models.base import (
-    Completion, GenerationRequest, LanguageModel, encode_prompt, prompt_text, render_chat,
+    Completion, GenerationRequest, LanguageModel, TokenScore, encode_prompt, prompt_text, render_chat,
 )
 from thinkahead.token_spec.drafters import common_prefix_len
 from thinkahead.token_spec.recording import TokenRecorder
@@ -170,20 +170,35 @@ class LocalModel(LanguageModel):
 
     def continuation_logprobs_sync(self, prompt: str, continuation: str) -> list[float]:
         """Log-probability of each token of `continuation` after `prompt`, in one forward pass."""
+        _, logprobs, targets = self._continuation_rows(prompt, continuation)
+        return logprobs.gather(1, targets[:, None])[:, 0].tolist()
+
+    async def continuation_scores(self, prompt: str, continuation: str) -> list[TokenScore]:
+        return await asyncio.to_thread(self.continuation_scores_sync, prompt, continuation)
+
+    def continuation_scores_sync(self, prompt: str, continuation: str) -> list[TokenScore]:
+        """Each token of `continuation` with its log-probability and the top log-probability there."""
+        ids, logprobs, targets = self._continuation_rows(prompt, continuation)
+        chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist()
+        top = logprobs.max(dim=-1).values.tolist()
+        texts = [self.tokenizer.decode([t]) for t in ids]
+        return [TokenScore(text, lp, max(lp, best)) for text, lp, best in zip(texts, chosen, top)]
+
+    def _continuation_rows(self, prompt: str, continuation: str):
+        """(continuation ids, log-softmax rows predicting them, the ids as a tensor): one forward."""
         import torch
 
         ids = self.encode(prompt + continuation)
         start = common_prefix_len(self.encode(prompt), ids)  # the boundary token may merge across the two
         if start == 0 or start >= len(ids):
-            raise ValueError("continuation_logprobs needs a non-empty prompt and continuation")
+            raise ValueError("scoring a continuation needs a non-empty prompt and continuation")
         with self._lock, torch.inference_mode():
             session, cached = self.prefix_pool.acquire(ids[:start])
             logits = self.engine.forward(session, ids[cached:])
             self.prefix_pool.release(session, ids)
         # row i of `logits` predicts ids[cached + i + 1]
         rows = logits[start - 1 - cached : len(ids) - 1 - cached].float()
-        targets = torch.tensor(ids[start:], dtype=torch.long)
-        return torch.log_softmax(rows, dim=-1).gather(1, targets[:, None])[:, 0].tolist()
+        return ids[start:], torch.log_softmax(rows, dim=-1), torch.tensor(ids[start:], dtype=torch.long)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of raw prompt text; a BOS token is added only where the tokenizer wants one."""

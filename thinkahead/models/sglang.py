@@ -34,7 +34,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from thinkahead.models.base import (
-    Completion, GenerationRequest, LanguageModel, encode_prompt, prompt_text, render_chat, render_plain,
+    Completion, GenerationRequest, LanguageModel, TokenScore, encode_prompt, prompt_text, render_chat, render_plain,
     resolve_tokenizer,
 )
 from thinkahead.models.http import HttpClient, ModelServerError, bearer_headers
@@ -154,15 +154,32 @@ class SGLangModel(LanguageModel):
         return dict(sorted(out.items(), key=lambda kv: -kv[1])[:top_k])
 
     async def continuation_logprobs(self, prompt: str, continuation: str) -> list[float]:
+        meta, _ = await self._score_continuation(prompt, continuation, top=False)
+        return [self._logprob_entry(e, need_text=False)[0] for e in meta["input_token_logprobs"]]
+
+    async def continuation_scores(self, prompt: str, continuation: str) -> list[TokenScore]:
+        meta, count = await self._score_continuation(prompt, continuation, top=True)
+        tops = meta.get("input_top_logprobs")
+        if not isinstance(tops, list) or len(tops) != count:
+            raise ModelServerError(f"/generate reply has no input_top_logprobs for the {count} scored tokens")
+        out = []
+        for entry, row in zip(meta["input_token_logprobs"], tops):
+            logprob, text = self._logprob_entry(entry)
+            best = max((self._logprob_entry(e, need_text=False)[0] for e in row or []), default=logprob)
+            out.append(TokenScore(text, logprob, max(logprob, best)))
+        return out
+
+    async def _score_continuation(self, prompt: str, continuation: str, top: bool) -> tuple[dict[str, Any], int]:
+        """One prefill of prompt + continuation with input logprobs from the continuation on."""
         from thinkahead.token_spec.drafters import common_prefix_len
 
         if not isinstance(continuation, str) or not continuation:
-            raise ValueError("continuation_logprobs needs a non-empty continuation")
+            raise ValueError("scoring a continuation needs a non-empty continuation")
         prompt_ids = await self.prompt_ids(prompt)
         ids = await self.prompt_ids(prompt + continuation)
         start = common_prefix_len(prompt_ids, ids)  # the boundary token may merge across the two
         if start == 0 or start >= len(ids):
-            raise ValueError("continuation_logprobs needs a non-empty prompt and continuation")
+            raise ValueError("scoring a continuation needs a non-empty prompt and continuation")
         payload = {
             **self.extra_body,
             "input_ids": ids,
@@ -170,6 +187,8 @@ class SGLangModel(LanguageModel):
             "return_logprob": True,
             "logprob_start_len": start,
         }
+        if top:
+            payload.update(top_logprobs_num=1, return_text_in_logprobs=True)
         meta = _meta(await self.client.post_json("/generate", payload))
         entries = meta.get("input_token_logprobs")
         if not isinstance(entries, list) or len(entries) != len(ids) - start:
@@ -177,7 +196,7 @@ class SGLangModel(LanguageModel):
                 f"/generate reply has {len(entries) if isinstance(entries, list) else 'no'} input_token_logprobs,"
                 f" expected {len(ids) - start}"
             )
-        return [self._logprob_entry(e, need_text=False)[0] for e in entries]
+        return meta, len(ids) - start
 
     def render(self, messages: list[dict[str, str]], continue_final: bool = False) -> str:
         if self.tokenizer is not None:
