@@ -40,19 +40,25 @@ class BenchConfig:
         return name if self.token_spec else f"{name}/no-token-spec"
 
 
-def matrix(policies: list[str], thresholds: list[float], token_spec: str, judge: str = "llm") -> list[BenchConfig]:
-    """Every policy (specreason once per threshold of the LLM judge) with token speculation "on",
-    "off" or "both"."""
+def matrix(policies: list[str], thresholds: list[float], token_spec: str, judges: tuple[str, ...] = ("llm",)
+           ) -> list[BenchConfig]:
+    """Every policy with token speculation "on", "off" or "both"; specreason once per judge, and
+    with the LLM judge once per threshold."""
     if token_spec not in ("on", "off", "both"):
         raise ValueError(f"token_spec must be 'on', 'off' or 'both', got {token_spec!r}")
+    unknown = [j for j in judges if j not in ("llm", "agreement")]
+    if not judges or unknown:
+        raise ValueError(f"judges must be among llm, agreement, got {list(judges)}")
     specs = {"on": [True], "off": [False], "both": [True, False]}[token_spec]
     out = []
     for policy in policies:
         for spec in specs:
-            if policy == "specreason" and thresholds and judge == "llm":
-                out.extend(BenchConfig(policy, t, spec) for t in thresholds)
-            else:
-                out.append(BenchConfig(policy, None, spec, judge if policy == "specreason" else "llm"))
+            if policy != "specreason":
+                out.append(BenchConfig(policy, None, spec))
+                continue
+            for judge in judges:
+                sweep = thresholds if judge == "llm" and thresholds else [None]
+                out.extend(BenchConfig(policy, t, spec, judge) for t in sweep)
     return out
 
 

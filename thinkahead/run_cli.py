@@ -316,6 +316,7 @@ def trace(results_path, run_id, full, as_json) -> None:
 @click.option("-w", "--workflow", default=None, help="Workflow: cot, react, refine, vote, pipeline [cot, or the suite's].")
 @click.option("--policies", default="large,small,specreason", show_default=True, help="Comma-separated step policies.")
 @click.option("--thresholds", default="", help="specreason thresholds to sweep, e.g. 5,7,9 (default: the config's).")
+@click.option("--judges", default="", help="specreason verifiers to compare, e.g. llm,agreement (default: --judge).")
 @click.option("--token-spec", "token_spec", type=click.Choice(["on", "off", "both"]), default="on", show_default=True,
               help="Token-level speculation in every configuration, none, or each configuration both ways.")
 @click.option("-o", "--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), required=True,
@@ -324,7 +325,7 @@ def trace(results_path, run_id, full, as_json) -> None:
 @click.option("--checker", type=click.Choice(["math", "exact"]), default="math", show_default=True,
               help="Grading of INPUT.jsonl answers (a suite brings its own checker).")
 @orchestrator_options
-def bench(input_path, suite, workflow, policies, thresholds, token_spec, out_dir, limit, checker, **options) -> None:
+def bench(input_path, suite, workflow, policies, thresholds, judges, token_spec, out_dir, limit, checker, **options) -> None:
     """Run step policies side by side on INPUT.jsonl or a --suite; write a markdown report and plots."""
     from thinkahead.benchmark import matrix, run_bench
 
@@ -340,7 +341,11 @@ def bench(input_path, suite, workflow, policies, thresholds, token_spec, out_dir
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
     settings = build_settings(**options, workflow=workflow or suite_workflow)
-    configs = matrix(names, sweep, token_spec, judge=settings["policy"]["judge"])
+    try:
+        configs = matrix(names, sweep, token_spec, tuple(j.strip() for j in judges.split(",") if j.strip())
+                         or (settings["policy"]["judge"],))
+    except ValueError as exc:
+        raise click.UsageError(f"--judges: {exc}") from exc
 
     def progress(config, result) -> None:
         click.echo(f"{config.label}: {result.id} {result.status} answer={result.answer!r}"
