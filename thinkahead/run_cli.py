@@ -198,7 +198,7 @@ def summary_table(rows: list[tuple[str, BatchSummary]]) -> str:
 
 @click.command()
 @click.argument("input_path", metavar="INPUT.jsonl", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("-w", "--workflow", default=None, help="Workflow: cot, react, refine, vote, pipeline [cot].")
+@click.option("-w", "--workflow", default=None, help="Workflow: cot, react, refine, vote, pipeline, codefix (needs a suite's tests) [cot].")
 @click.option("--policy", type=click.Choice(POLICIES), default=None, help="Step policy [specreason].")
 @click.option("-o", "--out", type=click.Path(dir_okay=False, path_type=Path), required=True,
               help="Result store (JSONL); runs already in it are skipped (resume).")
@@ -312,8 +312,8 @@ def trace(results_path, run_id, full, as_json) -> None:
 @click.argument("input_path", metavar="[INPUT.jsonl]", required=False,
                 type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--suite", default=None, help="A named suite instead of INPUT.jsonl: gsm8k-50, math500-30, humaneval-20, "
-              "agentic-refine, agentic-pipeline, tools-bfcl-20, countdown-20, game24-20.")
-@click.option("-w", "--workflow", default=None, help="Workflow: cot, react, refine, vote, pipeline [cot, or the suite's].")
+              "agentic-refine, agentic-codefix, agentic-pipeline, tools-bfcl-20, countdown-20, game24-20.")
+@click.option("-w", "--workflow", default=None, help="Workflow: cot, react, refine, vote, pipeline, codefix [cot, or the suite's].")
 @click.option("--policies", default="large,small,specreason", show_default=True, help="Comma-separated step policies.")
 @click.option("--thresholds", default="", help="specreason thresholds to sweep, e.g. 5,7,9 (default: the config's).")
 @click.option("--judges", default="", help="specreason verifiers to compare, e.g. llm,agreement (default: --judge).")

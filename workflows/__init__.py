@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 from thinkahead.orchestrator.graph import StepGraph
+from thinkahead.workflows.codefix import codefix
 from thinkahead.workflows.cot import cot
 from thinkahead.workflows.pipeline import pipeline
 from thinkahead.workflows.react import react
@@ -13,10 +14,10 @@ from thinkahead.workflows.refine import refine
 from thinkahead.workflows.vote import vote
 
 WORKFLOWS: dict[str, Callable[..., StepGraph]] = {
-    "cot": cot, "react": react, "refine": refine, "vote": vote, "pipeline": pipeline,
+    "cot": cot, "react": react, "refine": refine, "vote": vote, "pipeline": pipeline, "codefix": codefix,
 }
 
-__all__ = ["WORKFLOWS", "build_workflow", "cot", "pipeline", "react", "refine", "vote"]
+__all__ = ["WORKFLOWS", "build_workflow", "codefix", "cot", "pipeline", "react", "refine", "vote"]
 
 
 def build_workflow(name: str, **options: Any) -> StepGraph:

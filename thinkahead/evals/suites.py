@@ -70,6 +70,9 @@ SUITES: dict[str, SuiteSpec] = {
         _spec("agentic-refine", "Self-Refine over GSM8K test 0-19: solve, then critique and rewrite twice "
               "(repetitive drafts: where suffix drafting pays)", "gsm8k", 20, "refine", "math",
               loader_options={"instruction": False}, workflow_options={"rounds": 2, "stop_early": False}),
+        _spec("agentic-codefix", "HumanEval/0-19 as a coding agent: write the function, run its tests, fix it "
+              "from the failures (at most 3 fixes; the feedback comes from the graded tests)", "humaneval", 20,
+              "codefix", "humaneval"),
         _spec("agentic-pipeline", "planner -> solver -> checker over GSM8K test 0-99: the same sub-tasks "
               "run many times", "gsm8k", 100, "pipeline", "math"),
         _spec("tools-bfcl-20", "BFCL v4 multi_turn_base 0-19: multi-turn tool use (file system, trading, "
@@ -125,6 +128,8 @@ class Suite:
             calls = sum(len(turn) for turn in json.loads(task.reference or "{}").get("ground_truth", []))
             options.setdefault("tools", BfclEnvironment(task.reference or "").tools())
             options.setdefault("max_turns", 2 * calls + 4)
+        if self.spec.checker == "humaneval" and self.spec.workflow == "codefix":
+            options.setdefault("tests", _humaneval_runner(self.checker, task.reference or ""))
         return options
 
     def answer_text(self, answer: Any, outputs: Mapping[str, Any] | None = None) -> str:
@@ -162,3 +167,14 @@ def load_suite(name: str, limit: int | None = None) -> Suite:
     n = spec.n if limit is None else min(spec.n, limit)
     tasks = load_tasks(spec.source, n, spec.offset, spec.seed, **spec.loader_options)
     return Suite(spec, tasks)
+
+
+def _humaneval_runner(checker: AnswerChecker, reference: str):
+    """code -> (passed, feedback) for a codefix agent: the task's tests and what a failure printed."""
+
+    def run(code: str) -> tuple[bool, str]:
+        result = checker.run(code, reference)  # type: ignore[attr-defined]
+        if result.timed_out:
+            return False, "the tests timed out (an infinite loop?)"
+        return result.passed, result.stderr_tail
+    return run
