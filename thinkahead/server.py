@@ -46,7 +46,7 @@ from thinkahead.models.base import LanguageModel
 from thinkahead.orchestrator.trace import RunResult, jsonable
 from thinkahead.sdk import Orchestrator
 from thinkahead.step_spec.policies import POLICY_NAMES
-from thinkahead.workflows import WORKFLOWS
+from thinkahead.workflows import QUESTION_ONLY  # the workflows a chat request alone can run
 
 PREFIX = "thinkahead/"
 CHAIN_BUDGET_WORKFLOWS = ("cot", "vote", "pipeline")  # their `max_tokens` caps a reasoning chain
@@ -107,16 +107,16 @@ class ChatServer:
     # ------------------------------------------------------------------ models and orchestrators
 
     def model_names(self) -> list[str]:
-        return [f"{PREFIX}{w}:{p}" for w in WORKFLOWS for p in POLICY_NAMES]
+        return [f"{PREFIX}{w}:{p}" for w in QUESTION_ONLY for p in POLICY_NAMES]
 
     def resolve(self, model: str) -> tuple[str, str]:
         """`(workflow, policy)` from a model name, or a 404 naming the choices."""
         workflow, _, policy = model.removeprefix(PREFIX).partition(":")
         policy = policy or self.config.policy.name
-        if workflow not in WORKFLOWS or policy not in POLICY_NAMES:
+        if workflow not in QUESTION_ONLY or policy not in POLICY_NAMES:
             raise RequestError(
                 404, f"The model {model!r} does not exist; models are {PREFIX}<workflow>[:<policy>] with workflow "
-                     f"one of {', '.join(WORKFLOWS)} and policy one of {', '.join(POLICY_NAMES)}",
+                     f"one of {', '.join(QUESTION_ONLY)} and policy one of {', '.join(POLICY_NAMES)}",
                 param="model", code="model_not_found")
         return workflow, policy
 

@@ -17,7 +17,10 @@ WORKFLOWS: dict[str, Callable[..., StepGraph]] = {
     "cot": cot, "react": react, "refine": refine, "vote": vote, "pipeline": pipeline, "codefix": codefix,
 }
 
-__all__ = ["WORKFLOWS", "build_workflow", "codefix", "cot", "pipeline", "react", "refine", "vote"]
+QUESTION_ONLY = tuple(name for name in WORKFLOWS if name != "codefix")
+"""Workflows that run from a question alone (codefix also needs the task's tests)."""
+
+__all__ = ["QUESTION_ONLY", "WORKFLOWS", "build_workflow", "codefix", "cot", "pipeline", "react", "refine", "vote"]
 
 
 def build_workflow(name: str, **options: Any) -> StepGraph:
