@@ -22,9 +22,10 @@ under ~/.cache/thinkahead/tokenizers), else from a deterministic word tokenizer.
 Every drafter replays the same sessions in the same run (`replay_sessions`,
 greedy acceptance against the recorded outputs, drafts of up to --max-draft
 tokens, one bonus token per verify step), with session reuse on: it changes
-only the update cost, never a draft (tests/test_sessions.py). "combined-depth-32"
-is the combined drafter over a cache of max_depth 32 instead of 64: half the
-tree upkeep per token. Then the per-turn cache update at 45k-60k-token prompts
+only the update cost, never a draft (tests/test_sessions.py). The caches keep
+their defaults (global tree depth 64, request and session trees depth 32);
+"combined-depth-64" is the combined drafter with request and session trees of
+depth 64 as well: twice the tree upkeep per token. Then the per-turn cache update at 45k-60k-token prompts
 is timed on the same turns for a continued session (the full prompt with fresh
 int objects; the full prompt sharing the agent's token objects; only the new
 tokens through `SuffixCache.continue_session`) against a rebuild of the prompt.
@@ -318,7 +319,8 @@ DRAFTERS: dict[str, Callable[[], object]] = {
     "prompt-lookup-recent-3": lambda: PromptLookupDrafter(max_ngram=3, prefer="last"),
     "prompt-lookup-recent-8": lambda: PromptLookupDrafter(max_ngram=8, prefer="last"),
     "combined": lambda: CombinedDrafter(SuffixCache()),
-    "combined-depth-32": lambda: CombinedDrafter(SuffixCache(max_depth=32)),  # half the tree upkeep
+    # request and session trees as deep as the global tree (64) instead of the default 32
+    "combined-depth-64": lambda: CombinedDrafter(SuffixCache(request_depth=64)),
 }
 BASELINES = ("suffix", "suffix-tree", "prompt-lookup-recent-3", "prompt-lookup-recent-8")
 
@@ -335,13 +337,13 @@ UPDATE_HOW = {
     "shared": "start_request(full prompt) built as previous prompt + output + new tokens (an agent's token list)",
     "new-tokens": "continue_session(new tokens only): no comparison of the old prompt",
 }
-# (row name, how the turn starts, the cache's max_depth)
+# (row name, how the turn starts, the depth of the request / session trees; the global tree keeps 64)
 UPDATE_MODES = [
-    ("retokenized", "retokenized", 64),
-    ("shared", "shared", 64),
-    ("new-tokens", "new-tokens", 64),
-    ("retokenized, max_depth 32", "retokenized", 32),
-    ("new-tokens, max_depth 32", "new-tokens", 32),
+    ("retokenized", "retokenized", 32),
+    ("shared", "shared", 32),
+    ("new-tokens", "new-tokens", 32),
+    ("retokenized, request depth 64", "retokenized", 64),
+    ("new-tokens, request depth 64", "new-tokens", 64),
 ]
 
 
@@ -359,7 +361,7 @@ def update_time_at_long_prompts(sessions: list[RecordedSession], lo: int, hi: in
     new_tokens: list[int] = []
     long_prompts: list[list[int]] = []
     for row, mode, depth in UPDATE_MODES:
-        cache = SuffixCache(max_depth=depth)
+        cache = SuffixCache(request_depth=depth)
         timed[row] = []
         for s, session in enumerate(sessions):
             if session.turns[-1][0] < lo:
@@ -566,11 +568,11 @@ def markdown(out: dict) -> str:
     ]
     for m in u["modes"].values():
         lines.append(
-            f"| continued session, max_depth {m['max_depth']}: {m['what']} | {m['update_p50_ms']} | {m['update_p99_ms']} |"
+            f"| continued session, request depth {m['max_depth']}: {m['what']} | {m['update_p50_ms']} | {m['update_p99_ms']} |"
         )
     r = u["rebuild"]
     lines.append(
-        f"| rebuild over the whole prompt, max_depth 64 ({r['turns']} prompts of {r['prompt_tokens']} tokens, "
+        f"| rebuild over the whole prompt, request depth 32 ({r['turns']} prompts of {r['prompt_tokens']} tokens, "
         f"{r['us_per_prompt_token']} us per token) | {r['update_p50_ms']} | |"
     )
     lines.append("")

@@ -56,7 +56,7 @@ def main() -> None:
 
     # Calibrate the memory estimate on a slice (tracemalloc slows the build several-fold).
     tracemalloc.start()
-    probe = SuffixCache(max_depth=args.max_depth, max_cached_requests=-1)
+    probe = SuffixCache(max_depth=args.max_depth, request_depth=args.max_depth, max_cached_requests=-1)
     for i, (prompt, output) in enumerate(warm[:500]):
         probe._insert(i, output)
     traced, _ = tracemalloc.get_traced_memory()
@@ -70,7 +70,7 @@ def main() -> None:
     }
     del probe
 
-    cache = SuffixCache(max_depth=args.max_depth, max_cached_requests=-1)
+    cache = SuffixCache(max_depth=args.max_depth, request_depth=args.max_depth, max_cached_requests=-1)
     t0 = time.perf_counter()
     warm_stats = replay(cache, warm)
     build_s = time.perf_counter() - t0

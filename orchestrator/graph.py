@@ -131,13 +131,16 @@ class StepGraph:
         stop: list[str] | None = None,
         temperature: float = 0.0,
         strip: bool = True,
+        session: str | None = None,
     ) -> StepGraph:
         """One model call. `prompt` is a template over the state, or a function of the state
         returning the user text or a whole message list (then declare its `inputs`).
 
         The output is the completion's text, stripped of surrounding whitespace unless
         `strip=False`: a loop that feeds the text back verbatim (a ReAct transcript) keeps each
-        turn's prompt an exact extension of the last one, so caches continue instead of rebuilding."""
+        turn's prompt an exact extension of the last one, so caches continue instead of rebuilding.
+        Each generate node is its own agent session unless nodes name the same `session` (one
+        conversation written by several nodes, e.g. a first answer and its later fixes)."""
         if tier not in TIERS:
             raise GraphError(f"node {name!r}: tier must be one of {TIERS}, got {tier!r}")
         if isinstance(prompt, str):
@@ -148,7 +151,7 @@ class StepGraph:
             raise GraphError(f"node {name!r}: prompt must be a template string or a callable, got {type(prompt).__name__}")
         return self._add(Node(name, "generate", output or name, reads, {
             "prompt": prompt, "tier": tier, "system": system, "max_tokens": max_tokens,
-            "stop": list(stop or []), "temperature": temperature, "strip": strip,
+            "stop": list(stop or []), "temperature": temperature, "strip": strip, "session": session or name,
         }))
 
     def add_tool(

@@ -270,7 +270,7 @@ class Runtime:
             messages = content
         request = GenerationRequest(
             messages=messages, continue_final=messages[-1]["role"] == "assistant", max_new_tokens=spec["max_tokens"], stop=spec["stop"],
-            temperature=spec["temperature"], speculative=self.speculative, session_id=run.session_id(node.name),
+            temperature=spec["temperature"], speculative=self.speculative, session_id=run.session_id(spec["session"]),
         )
         completion = await run.models[spec["tier"]].generate(request)
         run.state[node.output] = completion.text.strip() if spec["strip"] else completion.text

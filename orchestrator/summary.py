@@ -122,7 +122,8 @@ def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, flo
     denom = 1 + z * z / n
     centre = (p + z * z / (2 * n)) / denom
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
-    return max(0.0, centre - half), min(1.0, centre + half)
+    # the interval always holds p itself (rounding put the upper bound at 0.9999... for 6 of 6)
+    return max(0.0, min(p, centre - half)), min(1.0, max(p, centre + half))
 
 
 def fmt(value: float | None, digits: int = 2) -> str:

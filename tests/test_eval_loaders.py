@@ -375,6 +375,7 @@ def test_a_scripted_codefix_run_fixes_a_humaneval_function_from_its_test_failure
     assert result.outputs["test"]["passed"] and result.outputs["test"]["fixes"] == 2
     prompts = large.generated_prompts()
     assert len(prompts) == 3 and "AssertionError" in prompts[1]  # the real test failure, fed back
+    assert len({c.request.session_id for c in large.calls}) == 1  # write and fixes: one agent session
     for turn in range(2):
         assert prompts[turn + 1].startswith(prompts[turn] + outputs[turn])
     assert not suite.grade(task, wrong, {})

@@ -92,3 +92,16 @@ def test_a_killed_batch_resumes_without_losing_or_duplicating_results(tmp_path):
     assert sorted(ids) == sorted(f"id{i}" for i in range(10))  # every run exactly once
     assert ids[: len(before)] == before  # finished results kept as they were
     assert all(r.status == "ok" and r.answer == f"TASK {r.id[2:]}" for r in records)
+
+
+def test_wilson_interval_holds_the_observed_rate_even_at_the_edges():
+    from thinkahead.orchestrator.summary import wilson_interval
+
+    for successes, n in ((6, 6), (0, 4), (3, 5), (1, 1), (49, 50)):
+        lo, hi = wilson_interval(successes, n)
+        assert 0.0 <= lo <= successes / n <= hi <= 1.0
+    assert wilson_interval(6, 6)[1] == 1.0 and wilson_interval(0, 4)[0] == 0.0
+    lo, hi = wilson_interval(3, 5)
+    assert round(lo, 3) == 0.231 and round(hi, 3) == 0.882
+    with pytest.raises(ValueError, match="n must be positive"):
+        wilson_interval(0, 0)

@@ -173,3 +173,24 @@ def test_clear_forgets_outputs_but_not_while_requests_are_live() -> None:
     assert cache.cached_requests == []
     cache.start_request("c", [9, 4, 5])
     assert cache.speculate("c", [9, 4, 5], max_tokens=4, max_spec_factor=4).token_ids == []
+
+
+def test_request_trees_have_their_own_depth(tmp_path) -> None:
+    # a 50-token repeat: the global tree (depth 64) matches all of it, a request tree only 32 tokens
+    text = list(range(100, 150))
+    cache = SuffixCache()
+    assert (cache.max_depth, cache.request_depth) == (64, None)
+    cache.start_request("r", text + [7] + text[:40])
+    assert cache._requests["r"].tree.max_depth == 32
+    draft = cache.speculate("r", text + [7] + text[:40], max_tokens=64, max_spec_factor=4.0)
+    assert draft.token_ids[:10] == text[40:]  # the match is cut at 32 tokens, still enough to draft the rest
+    assert SuffixCache(max_depth=8)._request_depth == 8  # never deeper than the global tree by default
+    assert SuffixCache(request_depth=64)._request_depth == 64
+    deep = SuffixCache(max_depth=40, request_depth=16)
+    deep.save(tmp_path / "c.bin")
+    assert SuffixCache.load(tmp_path / "c.bin").request_depth == 16
+    for bad in (1, 2.5, "32"):
+        with pytest.raises(ValueError, match="request_depth"):
+            SuffixCache(request_depth=bad)
+    with pytest.raises(ValueError, match="max_depth"):
+        SuffixCache(max_depth=1)

@@ -46,6 +46,7 @@ _FILE_VERSION = 2  # 2 adds idle sessions after the responses; version 1 files s
 
 _CONFIG_KEYS = (
     "max_depth",
+    "request_depth",
     "max_cached_requests",
     "max_memory_bytes",
     "max_sessions",
@@ -91,7 +92,14 @@ class SuffixCache:
     """Per-request and global suffix trees with SuffixDecoding's semantics, plus sessions.
 
     Args:
-        max_depth: longest suffix stored (and so the longest match tried, minus one).
+        max_depth: longest suffix stored in the global tree (and so the longest match
+            tried there, minus one).
+        request_depth: the same for the trees over each request's prompt + output and
+            each session's conversation; None means min(max_depth, 32). These trees are
+            built or extended on every request, on the critical path, and their upkeep is
+            proportional to the depth; a match of 32 tokens already allows a 32-token draft.
+            Measured on the recorded agent sessions (BFCL react, self-refine): 32 drafts
+            the same tokens per verify step as 64 at about half the update time.
         max_cached_requests: responses kept in the global tree; 0 disables the
             global tree, a negative value means no limit.
         max_memory_bytes: estimated memory cap of the global tree, or None.
@@ -105,6 +113,7 @@ class SuffixCache:
     def __init__(
         self,
         max_depth: int = 64,
+        request_depth: int | None = None,
         max_cached_requests: int = 10_000,
         max_memory_bytes: int | None = None,
         max_sessions: int | None = 1024,
@@ -122,7 +131,13 @@ class SuffixCache:
             raise ValueError(f"max_session_bytes must be positive or None, got {max_session_bytes!r}")
         if session_idle_s is not None and not session_idle_s > 0:
             raise ValueError(f"session_idle_s must be positive or None, got {session_idle_s!r}")
+        if not isinstance(max_depth, int) or max_depth < 2:
+            raise ValueError(f"max_depth must be an integer >= 2, got {max_depth!r}")
+        if request_depth is not None and (not isinstance(request_depth, int) or request_depth < 2):
+            raise ValueError(f"request_depth must be an integer >= 2 or None, got {request_depth!r}")
         self.max_depth = max_depth
+        self.request_depth = request_depth
+        self._request_depth = request_depth if request_depth is not None else min(max_depth, 32)
         self.max_cached_requests = max_cached_requests
         self.max_memory_bytes = max_memory_bytes
         self.max_sessions = max_sessions
@@ -171,7 +186,7 @@ class SuffixCache:
             session_id = None  # sessions disabled: serve the request on its own
         if session_id is None:
             tokens = _checked_tokens(prompt_ids, "prompt_ids")
-            self._requests[rid] = _Request(tree=_build(self.max_depth, tokens), prompt_len=len(tokens))
+            self._requests[rid] = _Request(tree=_build(self._request_depth, tokens), prompt_len=len(tokens))
             return
         self._expire(self.clock())
         stats = self.session_stats
@@ -188,7 +203,7 @@ class SuffixCache:
                 stats.extended_tokens += len(new)
         if tree is None:
             tokens = _checked_tokens(prompt_ids, "prompt_ids")
-            tree = _build(self.max_depth, tokens)
+            tree = _build(self._request_depth, tokens)
             if busy:
                 stats.session_busy += 1
             else:
@@ -549,7 +564,7 @@ class SuffixCache:
         if cache.max_sessions != 0:
             now = cache.clock()
             for session_id, n in zip(session_ids, session_lengths):
-                tree = _build(cache.max_depth, tokens[offset:offset + n].tolist())
+                tree = _build(cache._request_depth, tokens[offset:offset + n].tolist())
                 size = _tree_bytes(tree)
                 cache._sessions[_hashable(session_id)] = _Session(tree=tree, last_used=now, bytes=size)
                 cache._session_bytes += size

@@ -42,11 +42,12 @@ def codefix(*, tests: TestRunner | None = None, rounds: int = 3, max_tokens: int
         return {"passed": passed, "feedback": feedback, "history": history, "fixes": previous["fixes"] + 1}
 
     g = StepGraph("codefix", inputs=["question"], output="answer")
-    g.add_generate("write", first_turn, tier=tier, inputs=["question"], output="code", max_tokens=max_tokens, strip=False)
+    g.add_generate("write", first_turn, tier=tier, inputs=["question"], output="code", max_tokens=max_tokens, strip=False,
+                   session="agent")
     g.add_tool("first_test", run_tests, inputs=["code"], output="test")
     g.add_loop("fixes", max_iters=rounds, condition=lambda s: not s["test"]["passed"])
     g.add_generate("fix", lambda s: s["test"]["history"], tier=tier, inputs=["test"], output="code",
-                   max_tokens=max_tokens, strip=False)
+                   max_tokens=max_tokens, strip=False, session="agent")
     g.add_tool("test", run_tests, inputs=["code"])
     g.add_tool("answer", lambda s: extract_code(s["code"]), inputs=["code"])
     g.add_sequence(START, "write", "first_test", "fixes")
