@@ -147,5 +147,7 @@ def test_recorded_generations_replay_in_the_simulator(tiny_model_dir, tmp_path):
     assert f"2 sessions, {len(records)} generations" in shown.output
     lines = {line.split()[0]: line.split() for line in shown.output.splitlines()[2:]}
     assert set(lines) == {"suffix", "combined"} and all(float(v[1]) >= 1.0 for v in lines.values())
+    both = CliRunner().invoke(main, ["simulate", str(recording), str(recording), "--drafters", "suffix"])
+    assert both.exit_code == 0 and f"4 sessions, {2 * len(records)} generations" in both.output  # files add up
     bad = CliRunner().invoke(main, ["simulate", str(recording), "--drafters", "eagle"])
     assert bad.exit_code == 2 and "unknown ['eagle']" in bad.output

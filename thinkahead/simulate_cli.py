@@ -10,16 +10,17 @@ from thinkahead.token_spec.presets import MODEL_FREE_KINDS
 
 
 @click.command()
-@click.argument("recording", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.argument("recordings", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--drafters", default="suffix,prompt-lookup,prompt-lookup-recent,combined", show_default=True,
               help=f"Comma-separated model-free drafters: {', '.join(MODEL_FREE_KINDS)}.")
 @click.option("--model", default=None, help="Replay only this model's generations (needed when the file has several).")
 @click.option("--max-draft", type=int, default=16, show_default=True, help="Draft tokens per verify step at most.")
-def simulate(recording: Path, drafters: str, model: str | None, max_draft: int) -> None:
-    """Replay RECORDING (from `--record`) through each drafter: tokens per verify step, draft precision.
+def simulate(recordings: tuple[Path, ...], drafters: str, model: str | None, max_draft: int) -> None:
+    """Replay RECORDINGS (from `--record`) through each drafter: tokens per verify step, draft precision.
 
     Agent sessions are replayed turn by turn as they ran, so session-aware drafting is judged on
-    the real conversations, in seconds.
+    the real conversations, in seconds. Several files replay one after another through one cache
+    per drafter, as one process serving those workloads would.
     """
     from thinkahead.token_spec.presets import model_free_drafter
     from thinkahead.token_spec.recording import read_sessions
@@ -31,12 +32,15 @@ def simulate(recording: Path, drafters: str, model: str | None, max_draft: int) 
         raise click.UsageError(f"--drafters: unknown {unknown or '(none)'}; choose from {', '.join(MODEL_FREE_KINDS)}")
     if max_draft < 1:
         raise click.UsageError("--max-draft must be at least 1")
-    try:
-        sessions = read_sessions(recording, model)
-    except ValueError as exc:
-        raise click.ClickException(str(exc)) from exc
-    if not sessions:
-        raise click.ClickException(f"no generations{' of ' + model if model else ''} in {recording}")
+    sessions = []
+    for recording in recordings:
+        try:
+            found = read_sessions(recording, model)
+        except ValueError as exc:
+            raise click.ClickException(str(exc)) from exc
+        if not found:
+            raise click.ClickException(f"no generations{' of ' + model if model else ''} in {recording}")
+        sessions.extend(found)
     turns = sum(len(s) for s in sessions)
     click.echo(f"{len(sessions)} sessions, {turns} generations, "
                f"{sum(len(t.output_ids) for s in sessions for t in s)} output tokens")
