@@ -174,11 +174,9 @@ class SpecReason:
     async def _repair(self, ctx: StepContext, draft: Written, kept: str, score: float) -> StepOutcome:
         """The large model finishes the step from the kept start of the draft."""
         rest = await write_step(ctx, "large", _with_reasoning(ctx, ctx.reasoning + kept))
-        out = outcome(rest, "repaired", score=score, judge_calls=1)
+        out = discard(outcome(rest, "repaired", score=score, judge_calls=1), draft)
         out.text = kept + out.text
-        out.tokens[draft.tier] += draft.tokens
-        out.time_s += draft.completion.time_s
-        out.discarded = draft.step.text[len(kept):]
+        out.discarded = draft.step.text[len(kept):]  # only the part the large model replaced
         return out
 
     async def _draft(self, ctx: StepContext) -> Written:

@@ -46,9 +46,11 @@ def matrix(policies: list[str], thresholds: list[float], token_spec: str, judges
     with the LLM judge once per threshold."""
     if token_spec not in ("on", "off", "both"):
         raise ValueError(f"token_spec must be 'on', 'off' or 'both', got {token_spec!r}")
-    unknown = [j for j in judges if j not in ("llm", "agreement")]
+    from thinkahead.step_spec.policies import JUDGES
+
+    unknown = [j for j in judges if j not in JUDGES]
     if not judges or unknown:
-        raise ValueError(f"judges must be among llm, agreement, got {list(judges)}")
+        raise ValueError(f"judges must be among {', '.join(JUDGES)}, got {list(judges)}")
     specs = {"on": [True], "off": [False], "both": [True, False]}[token_spec]
     out = []
     for policy in policies:

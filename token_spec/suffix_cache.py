@@ -131,10 +131,9 @@ class SuffixCache:
             raise ValueError(f"max_session_bytes must be positive or None, got {max_session_bytes!r}")
         if session_idle_s is not None and not session_idle_s > 0:
             raise ValueError(f"session_idle_s must be positive or None, got {session_idle_s!r}")
-        if not isinstance(max_depth, int) or max_depth < 2:
-            raise ValueError(f"max_depth must be an integer >= 2, got {max_depth!r}")
         if request_depth is not None and (not isinstance(request_depth, int) or request_depth < 2):
             raise ValueError(f"request_depth must be an integer >= 2 or None, got {request_depth!r}")
+        self.global_tree = SuffixTree(max_depth)  # checks max_depth
         self.max_depth = max_depth
         self.request_depth = request_depth
         self._request_depth = request_depth if request_depth is not None else min(max_depth, 32)
@@ -144,7 +143,6 @@ class SuffixCache:
         self.max_session_bytes = max_session_bytes
         self.session_idle_s = session_idle_s
         self.clock = clock
-        self.global_tree = SuffixTree(max_depth)
         self.session_stats = SessionStats()
         self._requests: dict[Hashable, _Request] = {}
         self._cached: OrderedDict[Hashable, int] = OrderedDict()  # rid -> seq id, oldest first

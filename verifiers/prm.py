@@ -36,6 +36,11 @@ class ProcessRewardModel(Protocol):
     async def judge(self, messages: list[dict[str, str]], step: str) -> Verdict: ...
 
 
+def step_prompt(model: LanguageModel, messages: list[dict[str, str]]) -> str:
+    """The prompt a step continues: the generation prompt itself, so a prefix cache reads only the step."""
+    return model.render(messages, continue_final=bool(messages) and messages[-1]["role"] == "assistant")
+
+
 class LikelihoodPRM:
     """Score = 9 x exp(mean token log-probability of the step under `model`)."""
 
@@ -49,9 +54,7 @@ class LikelihoodPRM:
         if not step.strip():
             return Verdict(score=0.0, accept=False, judge_calls=0)
         t0 = time.perf_counter()
-        continuing = bool(messages) and messages[-1]["role"] == "assistant"
-        prompt = self.model.render(messages, continue_final=continuing)
-        logprobs = await self.model.continuation_logprobs(prompt, step)
+        logprobs = await self.model.continuation_logprobs(step_prompt(self.model, messages), step)
         mean = sum(logprobs) / len(logprobs)
         score = 9.0 * math.exp(mean)
         return Verdict(score=score, accept=score >= self.threshold, time_s=time.perf_counter() - t0,
@@ -79,9 +82,7 @@ class AgreementVerifier:
         if not step.strip():
             return Verdict(score=0.0, accept=False, judge_calls=0)
         t0 = time.perf_counter()
-        continuing = bool(messages) and messages[-1]["role"] == "assistant"
-        prompt = self.model.render(messages, continue_final=continuing)
-        tokens = await self.model.continuation_scores(prompt, step)
+        tokens = await self.model.continuation_scores(step_prompt(self.model, messages), step)
         gaps = [t.gap if self.checked(t) else 0.0 for t in tokens]
         worst = max(gaps, default=0.0)
         first_bad = next((i for i, g in enumerate(gaps) if g > self.margin), None)

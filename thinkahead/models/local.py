@@ -170,22 +170,21 @@ class LocalModel(LanguageModel):
 
     def continuation_logprobs_sync(self, prompt: str, continuation: str) -> list[float]:
         """Log-probability of each token of `continuation` after `prompt`, in one forward pass."""
-        _, logprobs, targets = self._continuation_rows(prompt, continuation)
-        return logprobs.gather(1, targets[:, None])[:, 0].tolist()
+        _, chosen, _ = self._continuation_rows(prompt, continuation)
+        return chosen.tolist()
 
     async def continuation_scores(self, prompt: str, continuation: str) -> list[TokenScore]:
         return await asyncio.to_thread(self.continuation_scores_sync, prompt, continuation)
 
     def continuation_scores_sync(self, prompt: str, continuation: str) -> list[TokenScore]:
         """Each token of `continuation` with its log-probability and the top log-probability there."""
-        ids, logprobs, targets = self._continuation_rows(prompt, continuation)
-        chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist()
+        ids, chosen, logprobs = self._continuation_rows(prompt, continuation)
         top = logprobs.max(dim=-1).values.tolist()
         texts = [self.tokenizer.decode([t]) for t in ids]
-        return [TokenScore(text, lp, max(lp, best)) for text, lp, best in zip(texts, chosen, top)]
+        return [TokenScore(text, lp, max(lp, best)) for text, lp, best in zip(texts, chosen.tolist(), top)]
 
     def _continuation_rows(self, prompt: str, continuation: str):
-        """(continuation ids, log-softmax rows predicting them, the ids as a tensor): one forward."""
+        """(continuation ids, their log-probabilities, the log-softmax rows predicting them): one forward."""
         import torch
 
         ids = self.encode(prompt + continuation)
@@ -197,8 +196,9 @@ class LocalModel(LanguageModel):
             logits = self.engine.forward(session, ids[cached:])
             self.prefix_pool.release(session, ids)
         # row i of `logits` predicts ids[cached + i + 1]
-        rows = logits[start - 1 - cached : len(ids) - 1 - cached].float()
-        return ids[start:], torch.log_softmax(rows, dim=-1), torch.tensor(ids[start:], dtype=torch.long)
+        logprobs = torch.log_softmax(logits[start - 1 - cached : len(ids) - 1 - cached].float(), dim=-1)
+        targets = torch.tensor(ids[start:], dtype=torch.long)
+        return ids[start:], logprobs.gather(1, targets[:, None])[:, 0], logprobs
 
     def encode(self, text: str) -> list[int]:
         """Token ids of raw prompt text; a BOS token is added only where the tokenizer wants one."""
