@@ -6,8 +6,10 @@ Every policy implements `next_step(ctx) -> StepOutcome`:
   the threshold the large model rewrites the step (SpecReason). `judge="agreement"` replaces the
   judge prompt by the large model re-reading the step (`AgreementVerifier`): a failed step keeps
   its text up to the first token the large model disagrees with, and the large model writes the
-  rest ("repaired"). With `lookahead`, the small model drafts step i+1 while step i is being
-  judged, and the guess is dropped if step i is rejected;
+  rest ("repaired"). With `repair="token"` the large model only puts its own token in place of
+  the failing one (read from the same verify pass) and the small model drafts on, up to
+  `max_corrections` times per step ("corrected"). With `lookahead`, the small model drafts step i+1
+  while step i is being judged, and the guess is dropped if step i is rejected;
 - `arbitrage`: a router decides before drafting whether the large model should write (Arbitrage);
 - `reflect`: the small model writes; a step that opens with a reflection cue ("wait", ...) is
   handed to the large model (Speculative Thinking).
@@ -21,12 +23,13 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from thinkahead.models.base import Completion, GenerationRequest
-from thinkahead.step_spec.segment import Step, cut_step, stop_strings
+from thinkahead.step_spec.segment import Step, closes_step, cut_step, stop_strings
 from thinkahead.step_spec.state import StepContext, StepOutcome
 from thinkahead.verifiers.judge import LLMJudge
 
 POLICY_NAMES = ("large", "small", "specreason", "arbitrage", "reflect")
 JUDGES = ("llm", "agreement")  # specreason's verifier: the 0-9 judge prompt, or token agreement
+REPAIRS = ("step", "token")  # after a failed agreement check: the large model finishes the step, or fixes one token
 
 
 class StepPolicy(Protocol):
@@ -121,13 +124,23 @@ class SpecReason:
         verifier=None,
         judge: str = "llm",
         margin: float = 1.0,
+        check: str = "digits",
+        repair: str = "step",
+        max_corrections: int = 8,
     ) -> None:
         if first_large_steps < 0:
             raise ValueError(f"first_large_steps must be >= 0, got {first_large_steps}")
         if judge not in JUDGES:
             raise ValueError(f"specreason judge must be one of {', '.join(JUDGES)}, got {judge!r}")
+        if repair not in REPAIRS:
+            raise ValueError(f"specreason repair must be one of {', '.join(REPAIRS)}, got {repair!r}")
+        if not isinstance(max_corrections, int) or max_corrections < 1:
+            raise ValueError(f"max_corrections must be an int >= 1, got {max_corrections!r}")
         self.judge = judge
         self.margin = margin
+        self.check = check
+        self.repair = repair
+        self.max_corrections = max_corrections
         self.threshold = threshold
         self.score_mode = score_mode
         self.first_large_steps = first_large_steps
@@ -142,7 +155,7 @@ class SpecReason:
         built = (LLMJudge, AgreementVerifier)
         if self._judge is None or (isinstance(self._judge, built) and self._judge.model is not ctx.large):
             if self.judge == "agreement":
-                self._judge = AgreementVerifier(ctx.large, self.margin)  # type: ignore[arg-type]
+                self._judge = AgreementVerifier(ctx.large, self.margin, self.check)  # type: ignore[arg-type]
             else:
                 self._judge = LLMJudge(ctx.large, self.threshold, self.score_mode)  # type: ignore[arg-type]
         return self._judge
@@ -162,6 +175,9 @@ class SpecReason:
         keep = int(verdict.details.get("keep_chars", 0))
         if verdict.accept:
             out = outcome(draft, "accepted", score=verdict.score, judge_calls=1)
+        elif self.repair == "token" and verdict.correction:
+            await self._drop_lookahead()
+            out = await self._correct(ctx, draft, verdict)
         elif keep > 0:
             await self._drop_lookahead()
             out = await self._repair(ctx, draft, draft.step.text[:keep], verdict.score)
@@ -177,6 +193,46 @@ class SpecReason:
         out = discard(outcome(rest, "repaired", score=score, judge_calls=1), draft)
         out.text = kept + out.text
         out.discarded = draft.step.text[len(kept):]  # only the part the large model replaced
+        return out
+
+    async def _correct(self, ctx: StepContext, draft: Written, verdict) -> StepOutcome:
+        """Token repair: the large model's own token replaces the first failing one, the small model
+        drafts the rest of the step from there, and the large model checks again; after
+        `max_corrections` fixes the large model writes what is left of the step."""
+        judge = self.judge_for(ctx)
+        text, last, tokens, checks, score = "", draft, {"small": draft.tokens, "large": 0}, 1, verdict.score
+        discarded = []
+        for _ in range(self.max_corrections):
+            keep = int(verdict.details.get("keep_chars", 0))
+            discarded.append(last.step.text[keep:])
+            text += last.step.text[:keep] + verdict.correction
+            tokens["large"] += 1  # the corrected token, read off the verify pass
+            if closes_step(text, ctx.segment):  # the large model's token ended the step
+                step = cut_step(text, ctx.segment)
+                out = self._corrected(step.text, last, tokens, checks, score, discarded)
+                out.kind, out.ends_response = step.kind, step.ends_thinking
+                return out
+            last = await write_step(ctx, "small", _with_reasoning(ctx, ctx.reasoning + text))
+            tokens["small"] += last.tokens
+            verdict = await judge.judge(_with_reasoning(ctx, ctx.reasoning + text), last.step.text)
+            checks += 1
+            score = min(score, verdict.score)
+            if verdict.accept or not verdict.correction:
+                break
+        if not verdict.accept:  # out of corrections, or the verifier could not name one: the large model finishes
+            keep = int(verdict.details.get("keep_chars", 0))
+            discarded.append(last.step.text[keep:])
+            text += last.step.text[:keep]
+            last = await write_step(ctx, "large", _with_reasoning(ctx, ctx.reasoning + text))
+            tokens["large"] += last.tokens
+        return self._corrected(text + last.step.text, last, tokens, checks, score, discarded)
+
+    @staticmethod
+    def _corrected(text: str, last: Written, tokens: dict[str, int], checks: int, score: float,
+                   discarded: list[str]) -> StepOutcome:
+        out = outcome(last, "corrected", score=score, judge_calls=checks)
+        out.text, out.tokens, out.author = text, tokens, "small" if last.tier == "small" else "large"
+        out.discarded = "".join(discarded)
         return out
 
     async def _draft(self, ctx: StepContext) -> Written:

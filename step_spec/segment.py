@@ -38,6 +38,7 @@ __all__ = [
     "SegmentConfig",
     "Step",
     "StepKind",
+    "closes_step",
     "cut_step",
     "has_final_answer",
     "is_repeated",
@@ -195,6 +196,11 @@ def _find_boundary(text: str, end: int, config: SegmentConfig) -> int | None:
         if _non_space_count(text[:i]) >= config.min_step_chars:
             return match.end()
     return None
+
+
+def closes_step(text: str, config: SegmentConfig) -> bool:
+    """Whether ``text`` already holds a step boundary or ``</think>`` (nothing more belongs to it)."""
+    return THINK_CLOSE in text or _find_boundary(text, len(text), config) is not None
 
 
 # --- cutting -------------------------------------------------------------------------------------

@@ -61,12 +61,16 @@ def test_continuation_scores_mark_where_the_model_disagrees(local) -> None:
     own = asyncio.run(local.generate(GenerationRequest(prompt=prompt, max_new_tokens=12, speculative=False))).text
     scores = asyncio.run(local.continuation_scores(prompt, own))
     assert "".join(t.text for t in scores) == own
-    assert all(t.gap == 0.0 for t in scores)  # its own greedy text: every token is its top choice
+    assert all(t.gap == 0.0 and t.top_text == t.text for t in scores)  # its own greedy text: every token is its top choice
     logprobs = asyncio.run(local.continuation_logprobs(prompt, own))
     assert [round(t.logprob, 5) for t in scores] == [round(lp, 5) for lp in logprobs]
     edited = own.replace("1", "7", 1) if "1" in own else own + " 7"
-    worst = max(asyncio.run(local.continuation_scores(prompt, edited)), key=lambda t: t.gap)
+    edited_scores = asyncio.run(local.continuation_scores(prompt, edited))
+    at = max(range(len(edited_scores)), key=lambda i: edited_scores[i].gap)
+    worst = edited_scores[at]
     assert "7" in worst.text and worst.gap > 1.0  # the edited digit is what the model objects to
+    before = "".join(t.text for t in edited_scores[:at])
+    assert own.startswith(before + worst.top_text)  # its own token there: the one we edited away
 
 
 def test_bad_construction() -> None:

@@ -248,7 +248,7 @@ def test_continuation_logprobs(server: FakeSGLangServer) -> None:
 def test_continuation_scores(server: FakeSGLangServer) -> None:
     model = make_model(server, tokenizer=CharTokenizer())
     scores = run_model(model, lambda m: m.continuation_scores("Q: 2+2? A:", " 4"))
-    assert [(t.text, t.logprob, t.gap) for t in scores] == [(" ", -0.5, 0.0), ("4", -0.5, 0.0)]
+    assert [(t.text, t.logprob, t.gap, t.top_text) for t in scores] == [(" ", -0.5, 0.0, " "), ("4", -0.5, 0.0, "4")]
     body = generate_bodies(server)[-1]
     assert body["top_logprobs_num"] == 1 and body["return_text_in_logprobs"] is True
     assert body["logprob_start_len"] == len("Q: 2+2? A:")

@@ -222,17 +222,20 @@ def test_likelihood_prm_scores_and_plugs_into_specreason() -> None:
 class AgreeingModel(ScriptedModel):
     """Scores continuations word by word: the model prefers another token by `gaps[word]` nats."""
 
-    def __init__(self, outputs, gaps: dict[str, float], **kw) -> None:
+    def __init__(self, outputs, gaps: dict[str, float], fixes: dict[str, str] | None = None, **kw) -> None:
         super().__init__(outputs, **kw)
         self.gaps = gaps
+        self.fixes = fixes or {}  # word -> the model's own token in its place
+        self.scored: list[str] = []
 
     async def continuation_scores(self, prompt, continuation):
         import re
 
         from thinkahead.models.base import TokenScore
 
+        self.scored.append(continuation)
         words = re.findall(r"\s*\S+|\s+", continuation)
-        return [TokenScore(w, -0.1 - self.gaps.get(w.strip(), 0.0), -0.1) for w in words]
+        return [TokenScore(w, -0.1 - self.gaps.get(w.strip(), 0.0), -0.1, self.fixes.get(w.strip(), w)) for w in words]
 
 
 def test_agreement_judge_checks_digits_and_repairs_from_the_first_disagreement() -> None:
@@ -260,6 +263,43 @@ def test_agreement_judge_checks_digits_and_repairs_from_the_first_disagreement()
             AgreementVerifier(large, **bad)
     with pytest.raises(ValueError, match="judge must be one of llm, agreement"):
         SpecReason(judge="prm")
+
+
+def test_token_repair_fixes_one_token_and_lets_the_small_model_go_on() -> None:
+    # "41" is wrong: the large model puts its own " 34" there and the small model drafts the rest
+    small = ScriptedModel(["17 * 2 = 41 so far.\n\n", " so far.\n\n", "Answer: 34"], name="small")
+    large = AgreeingModel([], gaps={"41": 3.0}, fixes={"41": " 34"}, name="large")
+    policy = SpecReason(judge="agreement", check="all", margin=1.0, repair="token")
+    result = run(StepLoop(small, large, policy))
+    first = result.steps[0]
+    assert (first.author, first.verdict, first.text) == ("small", "corrected", "17 * 2 = 34 so far.\n\n")
+    assert first.tokens == {"small": 7 + 2, "large": 1} and first.judge_calls == 2
+    assert first.discarded == " 41 so far.\n\n"
+    assert small.calls[1].request.messages[-1]["content"] == "17 * 2 = 34"  # the draft goes on after the fix
+    assert large.scored[:2] == ["17 * 2 = 41 so far.\n\n", " so far.\n\n"]
+    assert not large.calls  # the large model never generated: its token came from the verify pass
+    assert "34" in result.answer and result.steps[1].verdict == "accepted"
+
+
+def test_token_repair_ends_the_step_where_the_correction_does_and_falls_back_to_the_large_model() -> None:
+    # the large model would end the step after "5": its token closes the step, nothing more is drafted
+    small = ScriptedModel(["The total is 5 and more.\n\n", "Answer: 5"], name="small")
+    large = AgreeingModel([], gaps={"and": 2.0}, fixes={"and": ".\n\n"}, name="large")
+    result = run(StepLoop(small, large, SpecReason(judge="agreement", check="all", repair="token")))
+    assert (result.steps[0].verdict, result.steps[0].text) == ("corrected", "The total is 5.\n\n")
+    assert len(small.calls) == 2 and result.steps[1].text == "Answer: 5"
+    # every redraft fails again: after max_corrections fixes the large model writes the rest of the step
+    small = ScriptedModel(["a bad1 b\n\n", " bad2 c\n\n", "Answer: 3"], name="small")
+    large = AgreeingModel([" done.\n\n"], gaps={"bad1": 3.0, "bad2": 3.0}, fixes={"bad1": " ok1", "bad2": " ok2"},
+                          name="large")
+    result = run(StepLoop(small, large, SpecReason(judge="agreement", check="all", repair="token", max_corrections=1)))
+    first = result.steps[0]
+    assert (first.author, first.verdict, first.text) == ("large", "corrected", "a ok1 done.\n\n")
+    assert first.tokens == {"small": 3 + 2, "large": 1 + 1} and first.judge_calls == 2
+    assert large.calls[0].request.messages[-1]["content"] == "a ok1"
+    for bad in ({"repair": "word"}, {"max_corrections": 0}):
+        with pytest.raises(ValueError, match="repair|max_corrections"):
+            SpecReason(judge="agreement", **bad)
 
 
 def test_router_train_command(tmp_path) -> None:

@@ -62,7 +62,10 @@ class PolicyConfig(BaseModel, extra="forbid"):
     threshold: float = Field(default=7.0, ge=0, le=9)
     score_mode: Literal["greedy", "expected"] = "greedy"
     judge: Literal["llm", "agreement"] = "llm"  # specreason's verifier: 0-9 judge prompt, or token agreement
-    margin: float = Field(default=1.0, gt=0, lt=50)  # agreement: nats a drafted digit may trail the large model's choice
+    margin: float = Field(default=1.0, gt=0, lt=50)  # agreement: nats a checked token may trail the large model's choice
+    check: Literal["digits", "all"] = "digits"  # agreement: which drafted tokens are checked
+    repair: Literal["step", "token"] = "step"  # agreement failure: the large model finishes the step, or fixes one token
+    max_corrections: int = Field(default=8, ge=1)  # token repair: fixes per step before the large model finishes it
     first_large_steps: int = Field(default=0, ge=0)
     lookahead: bool = False
     router: str = "heuristic"
@@ -72,7 +75,9 @@ class PolicyConfig(BaseModel, extra="forbid"):
 
         if self.name == "specreason":
             return make_policy(self.name, threshold=self.threshold, score_mode=self.score_mode, judge=self.judge,
-                               margin=self.margin, first_large_steps=self.first_large_steps, lookahead=self.lookahead)
+                               margin=self.margin, check=self.check, repair=self.repair,
+                               max_corrections=self.max_corrections, first_large_steps=self.first_large_steps,
+                               lookahead=self.lookahead)
         if self.name == "arbitrage":
             return make_policy(self.name, router=self.router)
         return make_policy(self.name)

@@ -29,8 +29,13 @@ def orchestrator_options(fn):
         click.option("--judge", type=click.Choice(["llm", "agreement"]), default=None,
                      help="specreason's verifier: the large model's 0-9 judge prompt, or token agreement (the large "
                           "model re-reads the step; a digit it disagrees with by more than --margin fails it) [llm]."),
-        click.option("--margin", type=float, default=None, help="Agreement judge: nats a drafted digit token may "
+        click.option("--margin", type=float, default=None, help="Agreement judge: nats a checked drafted token may "
                      "trail the large model's own choice [1.0]."),
+        click.option("--check", type=click.Choice(["digits", "all"]), default=None,
+                     help="Agreement judge: check the drafted tokens with digits, or all of them [digits]."),
+        click.option("--repair", type=click.Choice(["step", "token"]), default=None,
+                     help="Agreement judge, on a failed check: the large model finishes the step, or puts its own "
+                          "token in place of the failing one and the small model drafts on [step]."),
         click.option("--max-steps", type=int, default=None, help="Steps per reasoning chain [16]."),
         click.option("--max-tokens", type=int, default=None, help="Generated tokens per reasoning chain [1024]."),
         click.option("--step-tokens", type=int, default=None, help="Token cap per step [128]."),
@@ -44,7 +49,7 @@ def orchestrator_options(fn):
 
 
 def build_settings(config_path, small, large, dtype, threshold, max_steps, max_tokens, step_tokens, no_token_spec,
-                   record=None, judge=None, margin=None, **extra: Any) -> dict[str, Any]:
+                   record=None, judge=None, margin=None, check=None, repair=None, **extra: Any) -> dict[str, Any]:
     """An `OrchestratorConfig` as a dict: the file's values, overridden by the options given."""
     from thinkahead.config import OrchestratorConfig
 
@@ -60,7 +65,8 @@ def build_settings(config_path, small, large, dtype, threshold, max_steps, max_t
             data[tier]["dtype"] = dtype
         if record is not None:
             data[tier]["record"] = str(record)
-    for key, value in (("threshold", threshold), ("judge", judge), ("margin", margin)):
+    for key, value in (("threshold", threshold), ("judge", judge), ("margin", margin), ("check", check),
+                       ("repair", repair)):
         if value is not None:
             data["policy"][key] = value
     if max_steps is not None:

@@ -32,6 +32,7 @@ class Verdict:
     time_s: float = 0.0
     digit_mass: float = 0.0  # probability mass the judge put on digits (low: the prompt confused it)
     details: dict[str, float] = field(default_factory=dict)
+    correction: str = ""  # what the verifier would write where the step first fails ("" if it cannot say)
 
 
 class StepVerifier(Protocol):

@@ -15,7 +15,8 @@ between two models are everywhere and harmless (measured on the gsm8k-50 specrea
 token of 70% of the 0.5B model's steps is over 0.7 nats below the 1.5B model's choice, a digit
 token in only 13% of them, and those flag 12 of the 19 runs that the 1.5B model alone got right and
 SpecReason got wrong). A failed step keeps its text up to the first disagreeing token
-(`details["keep_chars"]`), so the large model rewrites only the rest.
+(`details["keep_chars"]`), so the large model rewrites only the rest; `Verdict.correction` is the
+large model's own token there, which lets SpecReason's token repair go on with the small model.
 """
 
 from __future__ import annotations
@@ -87,8 +88,11 @@ class AgreementVerifier:
         worst = max(gaps, default=0.0)
         first_bad = next((i for i, g in enumerate(gaps) if g > self.margin), None)
         details = {"worst_gap": worst, "tokens": float(len(tokens))}
+        correction = ""
         if first_bad is not None:
             kept = "".join(t.text for t in tokens[:first_bad])
-            details["keep_chars"] = float(len(kept) if step.startswith(kept) else 0)  # token texts may not rejoin
+            rejoins = step.startswith(kept)  # token texts may not rejoin into the step
+            details["keep_chars"] = float(len(kept) if rejoins else 0)
+            correction = tokens[first_bad].top_text if rejoins else ""
         return Verdict(score=9.0 * math.exp(-worst), accept=first_bad is None, time_s=time.perf_counter() - t0,
-                       details=details)
+                       details=details, correction=correction)

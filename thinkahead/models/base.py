@@ -75,11 +75,13 @@ class Completion:
 @dataclass(slots=True)
 class TokenScore:
     """One token of a scored continuation: its text, its log-probability, and the log-probability
-    of the token the model itself would have picked there (equal when the model agrees)."""
+    and text of the token the model itself would have picked there (equal when the model agrees;
+    `top_text` is "" where a backend does not say)."""
 
     text: str
     logprob: float
     top_logprob: float
+    top_text: str = ""
 
     @property
     def gap(self) -> float:

@@ -177,11 +177,16 @@ class LocalModel(LanguageModel):
         return await asyncio.to_thread(self.continuation_scores_sync, prompt, continuation)
 
     def continuation_scores_sync(self, prompt: str, continuation: str) -> list[TokenScore]:
-        """Each token of `continuation` with its log-probability and the top log-probability there."""
+        """Each token of `continuation` with its log-probability and the model's own choice there
+        (an end-of-turn choice has `top_text` "": there is no text to put in its place)."""
         ids, chosen, logprobs = self._continuation_rows(prompt, continuation)
-        top = logprobs.max(dim=-1).values.tolist()
-        texts = [self.tokenizer.decode([t]) for t in ids]
-        return [TokenScore(text, lp, max(lp, best)) for text, lp, best in zip(texts, chosen.tolist(), top)]
+        best = logprobs.max(dim=-1)
+        out = []
+        for t, lp, top, top_id in zip(ids, chosen.tolist(), best.values.tolist(), best.indices.tolist()):
+            own = t if lp >= top else top_id
+            out.append(TokenScore(self.tokenizer.decode([t]), lp, max(lp, top),
+                                  self.tokenizer.decode([own], skip_special_tokens=True)))
+        return out
 
     def _continuation_rows(self, prompt: str, continuation: str):
         """(continuation ids, their log-probabilities, the log-softmax rows predicting them): one forward."""

@@ -165,8 +165,8 @@ class SGLangModel(LanguageModel):
         out = []
         for entry, row in zip(meta["input_token_logprobs"], tops):
             logprob, text = self._logprob_entry(entry)
-            best = max((self._logprob_entry(e, need_text=False)[0] for e in row or []), default=logprob)
-            out.append(TokenScore(text, logprob, max(logprob, best)))
+            best, best_text = max((self._logprob_entry(e) for e in row or []), default=(logprob, text))
+            out.append(TokenScore(text, logprob, max(logprob, best), text if logprob >= best else best_text))
         return out
 
     async def _score_continuation(self, prompt: str, continuation: str, top: bool) -> tuple[dict[str, Any], int]:
