@@ -124,7 +124,7 @@ class SpecReason:
         verifier=None,
         judge: str = "llm",
         margin: float = 1.0,
-        check: str = "digits",
+        word_margin: float | None = None,
         repair: str = "step",
         max_corrections: int = 8,
     ) -> None:
@@ -138,7 +138,7 @@ class SpecReason:
             raise ValueError(f"max_corrections must be an int >= 1, got {max_corrections!r}")
         self.judge = judge
         self.margin = margin
-        self.check = check
+        self.word_margin = word_margin
         self.repair = repair
         self.max_corrections = max_corrections
         self.threshold = threshold
@@ -155,7 +155,7 @@ class SpecReason:
         built = (LLMJudge, AgreementVerifier)
         if self._judge is None or (isinstance(self._judge, built) and self._judge.model is not ctx.large):
             if self.judge == "agreement":
-                self._judge = AgreementVerifier(ctx.large, self.margin, self.check)  # type: ignore[arg-type]
+                self._judge = AgreementVerifier(ctx.large, self.margin, self.word_margin)  # type: ignore[arg-type]
             else:
                 self._judge = LLMJudge(ctx.large, self.threshold, self.score_mode)  # type: ignore[arg-type]
         return self._judge

@@ -100,6 +100,23 @@ def test_bench_writes_a_report_and_a_plot_and_resumes(tiny_model_dir, tmp_path):
     assert all(len((out_dir / s).read_text().splitlines()) == 2 for s in stores)
 
 
+def test_bench_compares_judges_and_labels_the_token_repair(tiny_model_dir, tmp_path):
+    tasks = tmp_path / "tasks.jsonl"
+    write_tasks(tasks, [json.dumps({"id": "0", "question": "w5 w6", "answer": "1"})])
+    out_dir = tmp_path / "bench"
+    args = ["bench", str(tasks), "--policies", "specreason", "--judges", "llm,agreement", "--word-margin", "0.1",
+            "--margin", "0.1", "--repair", "token", "-o", str(out_dir), *model_args(tiny_model_dir)]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    data = json.loads((out_dir / "report.json").read_text())
+    assert [row["config"] for row in data["rows"]] == ["specreason", "specreason-agreement+token"]
+    run = ResultStore(out_dir / "runs-specreason-agreement+token.jsonl").latest()["0"]
+    verdicts = {e["data"]["verdict"] for e in run.trace if e["kind"] == "step"}
+    assert "corrected" in verdicts  # random weights disagree with themselves at 0.1 nats somewhere
+    bad = CliRunner().invoke(main, [*args[:-len(model_args(tiny_model_dir))], "--repair", "word"])
+    assert bad.exit_code == 2 and "word" in bad.output
+
+
 def test_bench_runs_a_named_suite_with_its_checker(tiny_model_dir, tmp_path):
     out_dir = tmp_path / "suite"
     args = ["bench", "--suite", "countdown-20", "--limit", "2", "--policies", "small", "-o", str(out_dir),

@@ -255,10 +255,13 @@ def test_agreement_judge_checks_digits_and_repairs_from_the_first_disagreement()
     assert large.calls[-1].request.messages[-1]["content"] == "17 * 3 = 51, the sum.\n\n17 * 2 ="
     assert result.judge_calls == 3 and "85" in result.answer
     # checking every token fails the wording step too; nothing before its first token: a full rewrite
-    all_tokens = AgreementVerifier(large, margin=1.0, check="all")
+    all_tokens = AgreementVerifier(large, margin=1.0, word_margin=1.0)
     verdict = asyncio.run(all_tokens.judge([{"role": "user", "content": "q"}], "sum. 17"))
     assert not verdict.accept and verdict.details["keep_chars"] == 0
-    for bad in ({"margin": 0}, {"margin": "1"}, {"check": "words"}):
+    loose_words = AgreementVerifier(large, margin=1.0, word_margin=3.0)  # wording may trail by 3 nats, digits by 1
+    assert asyncio.run(loose_words.judge([{"role": "user", "content": "q"}], "sum. 17")).accept
+    assert not asyncio.run(loose_words.judge([{"role": "user", "content": "q"}], "sum. 41")).accept
+    for bad in ({"margin": 0}, {"margin": "1"}, {"word_margin": 0}):
         with pytest.raises(ValueError, match="agreement"):
             AgreementVerifier(large, **bad)
     with pytest.raises(ValueError, match="judge must be one of llm, agreement"):
@@ -269,7 +272,7 @@ def test_token_repair_fixes_one_token_and_lets_the_small_model_go_on() -> None:
     # "41" is wrong: the large model puts its own " 34" there and the small model drafts the rest
     small = ScriptedModel(["17 * 2 = 41 so far.\n\n", " so far.\n\n", "Answer: 34"], name="small")
     large = AgreeingModel([], gaps={"41": 3.0}, fixes={"41": " 34"}, name="large")
-    policy = SpecReason(judge="agreement", check="all", margin=1.0, repair="token")
+    policy = SpecReason(judge="agreement", word_margin=1.0, margin=1.0, repair="token")
     result = run(StepLoop(small, large, policy))
     first = result.steps[0]
     assert (first.author, first.verdict, first.text) == ("small", "corrected", "17 * 2 = 34 so far.\n\n")
@@ -285,14 +288,14 @@ def test_token_repair_ends_the_step_where_the_correction_does_and_falls_back_to_
     # the large model would end the step after "5": its token closes the step, nothing more is drafted
     small = ScriptedModel(["The total is 5 and more.\n\n", "Answer: 5"], name="small")
     large = AgreeingModel([], gaps={"and": 2.0}, fixes={"and": ".\n\n"}, name="large")
-    result = run(StepLoop(small, large, SpecReason(judge="agreement", check="all", repair="token")))
+    result = run(StepLoop(small, large, SpecReason(judge="agreement", word_margin=1.0, repair="token")))
     assert (result.steps[0].verdict, result.steps[0].text) == ("corrected", "The total is 5.\n\n")
     assert len(small.calls) == 2 and result.steps[1].text == "Answer: 5"
     # every redraft fails again: after max_corrections fixes the large model writes the rest of the step
     small = ScriptedModel(["a bad1 b\n\n", " bad2 c\n\n", "Answer: 3"], name="small")
     large = AgreeingModel([" done.\n\n"], gaps={"bad1": 3.0, "bad2": 3.0}, fixes={"bad1": " ok1", "bad2": " ok2"},
                           name="large")
-    result = run(StepLoop(small, large, SpecReason(judge="agreement", check="all", repair="token", max_corrections=1)))
+    result = run(StepLoop(small, large, SpecReason(judge="agreement", word_margin=1.0, repair="token", max_corrections=1)))
     first = result.steps[0]
     assert (first.author, first.verdict, first.text) == ("large", "corrected", "a ok1 done.\n\n")
     assert first.tokens == {"small": 3 + 2, "large": 1 + 1} and first.judge_calls == 2

@@ -32,18 +32,20 @@ class BenchConfig:
     threshold: float | None = None
     token_spec: bool = True
     judge: str = "llm"  # specreason's verifier ("agreement": thresholds do not apply)
+    repair: str = "step"  # agreement: the large model finishes a failed step, or fixes one token ("token")
 
     @property
     def label(self) -> str:
         name = f"{self.policy}-agreement" if self.policy == "specreason" and self.judge == "agreement" else self.policy
+        name = f"{name}+token" if self.repair == "token" else name
         name = name if self.threshold is None else f"{name}@{self.threshold:g}"
         return name if self.token_spec else f"{name}/no-token-spec"
 
 
-def matrix(policies: list[str], thresholds: list[float], token_spec: str, judges: tuple[str, ...] = ("llm",)
-           ) -> list[BenchConfig]:
+def matrix(policies: list[str], thresholds: list[float], token_spec: str, judges: tuple[str, ...] = ("llm",),
+           repair: str = "step") -> list[BenchConfig]:
     """Every policy with token speculation "on", "off" or "both"; specreason once per judge, and
-    with the LLM judge once per threshold."""
+    with the LLM judge once per threshold; `repair` applies to the agreement judge."""
     if token_spec not in ("on", "off", "both"):
         raise ValueError(f"token_spec must be 'on', 'off' or 'both', got {token_spec!r}")
     from thinkahead.step_spec.policies import JUDGES
@@ -60,7 +62,8 @@ def matrix(policies: list[str], thresholds: list[float], token_spec: str, judges
                 continue
             for judge in judges:
                 sweep = thresholds if judge == "llm" and thresholds else [None]
-                out.extend(BenchConfig(policy, t, spec, judge) for t in sweep)
+                fix = repair if judge == "agreement" else "step"
+                out.extend(BenchConfig(policy, t, spec, judge, fix) for t in sweep)
     return out
 
 
@@ -108,6 +111,7 @@ def run_bench(
         if config.threshold is not None:
             cfg["policy"]["threshold"] = config.threshold
         cfg["policy"]["judge"] = config.judge
+        cfg["policy"]["repair"] = config.repair
         cfg["token_spec"] = config.token_spec
         orch = Orchestrator(small, large, config=cfg)
         _clear_caches([small, large])

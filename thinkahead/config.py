@@ -63,7 +63,7 @@ class PolicyConfig(BaseModel, extra="forbid"):
     score_mode: Literal["greedy", "expected"] = "greedy"
     judge: Literal["llm", "agreement"] = "llm"  # specreason's verifier: 0-9 judge prompt, or token agreement
     margin: float = Field(default=1.0, gt=0, lt=50)  # agreement: nats a checked token may trail the large model's choice
-    check: Literal["digits", "all"] = "digits"  # agreement: which drafted tokens are checked
+    word_margin: float | None = Field(default=None, gt=0, lt=50)  # agreement: the same for other tokens (None: unchecked)
     repair: Literal["step", "token"] = "step"  # agreement failure: the large model finishes the step, or fixes one token
     max_corrections: int = Field(default=8, ge=1)  # token repair: fixes per step before the large model finishes it
     first_large_steps: int = Field(default=0, ge=0)
@@ -75,7 +75,7 @@ class PolicyConfig(BaseModel, extra="forbid"):
 
         if self.name == "specreason":
             return make_policy(self.name, threshold=self.threshold, score_mode=self.score_mode, judge=self.judge,
-                               margin=self.margin, check=self.check, repair=self.repair,
+                               margin=self.margin, word_margin=self.word_margin, repair=self.repair,
                                max_corrections=self.max_corrections, first_large_steps=self.first_large_steps,
                                lookahead=self.lookahead)
         if self.name == "arbitrage":

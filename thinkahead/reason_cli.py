@@ -23,8 +23,8 @@ POLICIES = ("large", "small", "specreason", "arbitrage", "reflect", "collect")
 @click.option("--judge", type=click.Choice(["llm", "agreement"]), default="llm", show_default=True,
               help="specreason's verifier: the 0-9 judge prompt, or token agreement (a disagreeing digit fails a step).")
 @click.option("--margin", type=float, default=1.0, show_default=True, help="agreement: nats a checked token may trail the large model's choice.")
-@click.option("--check", type=click.Choice(["digits", "all"]), default="digits", show_default=True,
-              help="agreement: check drafted tokens with digits, or all of them.")
+@click.option("--word-margin", type=float, default=None,
+              help="agreement: also check tokens without digits, at this many nats [unchecked].")
 @click.option("--repair", type=click.Choice(["step", "token"]), default="step", show_default=True,
               help="agreement, on a failed check: the large model finishes the step, or fixes one token and the small model goes on.")
 @click.option("--first-large", type=int, default=0, show_default=True, help="specreason: the first N steps go to the large model.")
@@ -36,7 +36,7 @@ POLICIES = ("large", "small", "specreason", "arbitrage", "reflect", "collect")
 @click.option("--no-token-spec", is_flag=True, help="Turn off token-level speculation (the plain baseline).")
 @click.option("--dtype", type=click.Choice(list(DTYPES)), default="int8", show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print the whole result as JSON.")
-def reason(problem, small_spec, large_spec, policy, threshold, score_mode, judge, margin, check, repair, first_large, router, pairs,
+def reason(problem, small_spec, large_spec, policy, threshold, score_mode, judge, margin, word_margin, repair, first_large, router, pairs,
            max_steps, max_tokens, step_tokens, no_token_spec, dtype, as_json) -> None:
     """Reason about PROBLEM step by step: the small model drafts, the large model judges or rewrites."""
     from thinkahead.models import LocalModel
@@ -49,7 +49,7 @@ def reason(problem, small_spec, large_spec, policy, threshold, score_mode, judge
     try:
         if policy == "specreason":
             step_policy = make_policy(policy, threshold=threshold, score_mode=score_mode, judge=judge, margin=margin,
-                                      check=check, repair=repair, first_large_steps=first_large)
+                                      word_margin=word_margin, repair=repair, first_large_steps=first_large)
         elif policy == "arbitrage":
             step_policy = make_policy(policy, router=router)
         elif policy == "collect":

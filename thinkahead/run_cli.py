@@ -31,8 +31,9 @@ def orchestrator_options(fn):
                           "model re-reads the step; a digit it disagrees with by more than --margin fails it) [llm]."),
         click.option("--margin", type=float, default=None, help="Agreement judge: nats a checked drafted token may "
                      "trail the large model's own choice [1.0]."),
-        click.option("--check", type=click.Choice(["digits", "all"]), default=None,
-                     help="Agreement judge: check the drafted tokens with digits, or all of them [digits]."),
+        click.option("--word-margin", type=float, default=None,
+                     help="Agreement judge: also check tokens without digits, failing one that trails the large "
+                          "model's choice by more than this many nats [unchecked]."),
         click.option("--repair", type=click.Choice(["step", "token"]), default=None,
                      help="Agreement judge, on a failed check: the large model finishes the step, or puts its own "
                           "token in place of the failing one and the small model drafts on [step]."),
@@ -49,7 +50,7 @@ def orchestrator_options(fn):
 
 
 def build_settings(config_path, small, large, dtype, threshold, max_steps, max_tokens, step_tokens, no_token_spec,
-                   record=None, judge=None, margin=None, check=None, repair=None, **extra: Any) -> dict[str, Any]:
+                   record=None, judge=None, margin=None, word_margin=None, repair=None, **extra: Any) -> dict[str, Any]:
     """An `OrchestratorConfig` as a dict: the file's values, overridden by the options given."""
     from thinkahead.config import OrchestratorConfig
 
@@ -65,7 +66,7 @@ def build_settings(config_path, small, large, dtype, threshold, max_steps, max_t
             data[tier]["dtype"] = dtype
         if record is not None:
             data[tier]["record"] = str(record)
-    for key, value in (("threshold", threshold), ("judge", judge), ("margin", margin), ("check", check),
+    for key, value in (("threshold", threshold), ("judge", judge), ("margin", margin), ("word_margin", word_margin),
                        ("repair", repair)):
         if value is not None:
             data["policy"][key] = value
@@ -349,7 +350,7 @@ def bench(input_path, suite, workflow, policies, thresholds, judges, token_spec,
     settings = build_settings(**options, workflow=workflow or suite_workflow)
     try:
         configs = matrix(names, sweep, token_spec, tuple(j.strip() for j in judges.split(",") if j.strip())
-                         or (settings["policy"]["judge"],))
+                         or (settings["policy"]["judge"],), settings["policy"]["repair"])
     except ValueError as exc:
         raise click.UsageError(f"--judges: {exc}") from exc
 

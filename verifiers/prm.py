@@ -63,30 +63,33 @@ class LikelihoodPRM:
 
 
 class AgreementVerifier:
-    """Fail a step at the first checked token whose drafted choice is more than `margin` nats less
-    likely than the model's own; score = 9 x exp(-largest such gap), on the judge's 0-9 scale."""
+    """Fail a step at the first token whose drafted choice trails the model's own by more than its
+    margin: `margin` nats for tokens with digits, `word_margin` for the others (None: not checked).
+    Score = 9 x exp(-largest checked gap), on the judge's 0-9 scale."""
 
-    def __init__(self, model: LanguageModel, margin: float = 1.0, check: str = "digits") -> None:
-        if not (isinstance(margin, (int, float)) and 0 < margin < 50):
-            raise ValueError(f"agreement margin must be a number of nats in (0, 50), got {margin!r}")
-        if check not in ("digits", "all"):
-            raise ValueError(f"agreement check must be 'digits' or 'all', got {check!r}")
+    def __init__(self, model: LanguageModel, margin: float = 1.0, word_margin: float | None = None) -> None:
+        for name, value in (("margin", margin), ("word_margin", word_margin)):
+            if value is None and name == "word_margin":
+                continue
+            if not (isinstance(value, (int, float)) and 0 < value < 50):
+                raise ValueError(f"agreement {name} must be a number of nats in (0, 50), got {value!r}")
         self.model = model
         self.margin = float(margin)
-        self.check = check
+        self.word_margin = None if word_margin is None else float(word_margin)
         self.threshold = 9.0 * math.exp(-self.margin)
 
-    def checked(self, token: TokenScore) -> bool:
-        return self.check == "all" or any(c.isdigit() for c in token.text)
+    def margin_for(self, token: TokenScore) -> float | None:
+        """The gap `token` may have; None when it is not checked."""
+        return self.margin if any(c.isdigit() for c in token.text) else self.word_margin
 
     async def judge(self, messages: list[dict[str, str]], step: str) -> Verdict:
         if not step.strip():
             return Verdict(score=0.0, accept=False, judge_calls=0)
         t0 = time.perf_counter()
         tokens = await self.model.continuation_scores(step_prompt(self.model, messages), step)
-        gaps = [t.gap if self.checked(t) else 0.0 for t in tokens]
-        worst = max(gaps, default=0.0)
-        first_bad = next((i for i, g in enumerate(gaps) if g > self.margin), None)
+        margins = [self.margin_for(t) for t in tokens]
+        worst = max((t.gap for t, m in zip(tokens, margins) if m is not None), default=0.0)
+        first_bad = next((i for i, (t, m) in enumerate(zip(tokens, margins)) if m is not None and t.gap > m), None)
         details = {"worst_gap": worst, "tokens": float(len(tokens))}
         correction = ""
         if first_bad is not None:
