@@ -215,7 +215,7 @@ class SpecReason:
             last = await write_step(ctx, "small", _with_reasoning(ctx, ctx.reasoning + text))
             tokens["small"] += last.tokens
             verdict = await judge.judge(_with_reasoning(ctx, ctx.reasoning + text), last.step.text)
-            checks += 1
+            checks += verdict.judge_calls
             score = min(score, verdict.score)
             if verdict.accept or not verdict.correction:
                 break
@@ -231,7 +231,7 @@ class SpecReason:
     def _corrected(text: str, last: Written, tokens: dict[str, int], checks: int, score: float,
                    discarded: list[str]) -> StepOutcome:
         out = outcome(last, "corrected", score=score, judge_calls=checks)
-        out.text, out.tokens, out.author = text, tokens, "small" if last.tier == "small" else "large"
+        out.text, out.tokens = text, tokens  # the author is whoever wrote the last piece
         out.discarded = "".join(discarded)
         return out
 

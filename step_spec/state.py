@@ -17,7 +17,8 @@ class StepOutcome:
 
     `tokens` counts generated tokens per tier, discarded drafts included; `verdict` is one of
     "baseline" (a one-model policy), "accepted" / "rejected" (judged), "repaired" (judged, the
-    draft kept up to the first disagreeing token, the large model wrote the rest), "forced" (the first steps
+    draft kept up to the first disagreeing token, the large model wrote the rest), "corrected" (the
+    large model put its own token where the draft first failed and the small model drafted on), "forced" (the first steps
     go to the large model), "routed" (a router's choice), "reflection" (handed over on a cue),
     "collected" (router training: both wrote, the better one kept), "final" (the forced final answer).
     """
