@@ -115,6 +115,21 @@ def test_bench_compares_judges_and_labels_the_token_repair(tiny_model_dir, tmp_p
     assert "corrected" in verdicts  # random weights disagree with themselves at 0.1 nats somewhere
     bad = CliRunner().invoke(main, [*args[:-len(model_args(tiny_model_dir))], "--repair", "word"])
     assert bad.exit_code == 2 and "word" in bad.output
+    # the two stores side by side again, read back by `compare` (as for runs made on different days)
+    judge_store, fix_store = out_dir / "runs-specreason.jsonl", out_dir / "runs-specreason-agreement+token.jsonl"
+    merged = CliRunner().invoke(main, ["compare", f"judge={judge_store}", f"fix={fix_store}", "--tasks", str(tasks),
+                                       "-o", str(tmp_path / "merged")])
+    assert merged.exit_code == 0, merged.output
+    rows = json.loads((tmp_path / "merged" / "report.json").read_text())["rows"]
+    assert [(r["config"], r["runs"]) for r in rows] == [("judge", 1), ("fix", 1)]
+    assert [r["accuracy"] for r in rows] == [row["accuracy"] for row in data["rows"]]
+    more = tmp_path / "more.jsonl"
+    write_tasks(more, [json.dumps({"id": i, "question": "q"}) for i in ("0", "1")])
+    for bad_args, message in ((["judge"], "expected LABEL=STORE.jsonl"), ([f"a={tmp_path / 'none.jsonl'}"], "no run store"),
+                              ([f"a={judge_store}", f"a={fix_store}"], "labels must differ"),
+                              ([f"a={judge_store}", "--tasks", str(more)], "a misses 1")):
+        failed = CliRunner().invoke(main, ["compare", *bad_args, "-o", str(tmp_path / "x")])
+        assert failed.exit_code == 2 and message in failed.output, failed.output
 
 
 def test_bench_runs_a_named_suite_with_its_checker(tiny_model_dir, tmp_path):

@@ -3,7 +3,8 @@
 Every configuration (policy x threshold x token speculation) runs the same tasks with the same
 loaded models; each has its own result store under the output folder, so an interrupted bench
 resumes where it stopped. Suffix caches are cleared between configurations so none starts warmer
-than another.
+than another. `compare_stores` puts run stores of earlier benches (other flags, other days) into
+one report over the same tasks.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from thinkahead.batch_input import Task
 from thinkahead.orchestrator.store import ResultStore
@@ -22,6 +23,21 @@ from thinkahead.orchestrator.summary import BatchSummary, fmt, fmt_interval, sum
 from thinkahead.orchestrator.trace import RunResult
 
 log = logging.getLogger(__name__)
+
+
+class Column(Protocol):
+    """A report column: anything with a label (a `BenchConfig`, or a `StoredColumn`)."""
+
+    @property
+    def label(self) -> str: ...
+
+
+@dataclass(frozen=True)
+class StoredColumn:
+    """A column read back from a run store rather than run by this bench."""
+
+    label: str
+    path: Path
 
 
 @dataclass(frozen=True)
@@ -69,7 +85,7 @@ def matrix(policies: list[str], thresholds: list[float], token_spec: str, judges
 
 @dataclass
 class BenchReport:
-    rows: list[tuple[BenchConfig, BatchSummary]] = field(default_factory=list)
+    rows: list[tuple[Column, BatchSummary]] = field(default_factory=list)
     markdown: Path | None = None
     plot: Path | None = None
     warmth_plot: Path | None = None
@@ -137,12 +153,17 @@ def store_path(out_dir: Path, config: BenchConfig) -> Path:
     return out_dir / f"runs-{config.label.replace('/', '_').replace('@', '_')}.jsonl"
 
 
-def markdown_report(rows: list[tuple[BenchConfig, BatchSummary]], settings: dict[str, Any], n_tasks: int,
+def markdown_report(rows: list[tuple[Column, BatchSummary]], settings: dict[str, Any] | None, n_tasks: int,
                     title: str | None = None) -> str:
+    """The report table; without `settings` (stored columns) the header names each column's store."""
+    if settings is not None:
+        about = (f"{n_tasks} tasks, workflow `{settings.get('workflow')}`, small `{settings['small']['spec']}`, "
+                 f"large `{settings['large']['spec']}` ({settings['large'].get('dtype')}).")
+    else:
+        about = f"{n_tasks} tasks; columns read from run stores: " + ", ".join(
+            f"{c.label} `{getattr(c, 'path', '?')}`" for c, _ in rows) + "."
     lines = [
-        f"# thinkahead bench{': ' + title if title else ''}", "",
-        f"{n_tasks} tasks, workflow `{settings.get('workflow')}`, small `{settings['small']['spec']}`, "
-        f"large `{settings['large']['spec']}` ({settings['large'].get('dtype')}).", "",
+        f"# thinkahead bench{': ' + title if title else ''}", "", about, "",
         "| config | runs | ok | accuracy | 95% CI | s/run | ms/token | small tok | large tok | small share | accept rate | judge calls | tok/verify |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -157,7 +178,7 @@ def markdown_report(rows: list[tuple[BenchConfig, BatchSummary]], settings: dict
     return "\n".join(lines)
 
 
-def plot_pareto(rows: list[tuple[BenchConfig, BatchSummary]], path: Path) -> Path | None:
+def plot_pareto(rows: list[tuple[Column, BatchSummary]], path: Path) -> Path | None:
     """Accuracy (with 95% intervals) against seconds per task; None when matplotlib is missing."""
     try:
         import matplotlib
@@ -215,3 +236,36 @@ def plot_warmth(out_dir: Path, configs: list[BenchConfig], ids: set[str], path: 
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def compare_stores(columns: list[StoredColumn], out_dir: Path, ids: set[str] | None = None,
+                   title: str | None = None) -> BenchReport:
+    """One report (markdown, JSON, Pareto plot) over run stores written earlier, restricted to `ids`
+    (default: the ids every store holds, so each column covers the same tasks)."""
+    if not columns:
+        raise ValueError("compare needs at least one LABEL=STORE.jsonl column")
+    labels = [c.label for c in columns]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"column labels must differ, got {labels}")
+    latest = {}
+    for c in columns:
+        if not c.path.is_file():
+            raise ValueError(f"no run store at {c.path} (column {c.label!r})")
+        latest[c.label] = {rid: r for rid, r in ResultStore(c.path).latest().items() if ids is None or rid in ids}
+    common = set.intersection(*(set(runs) for runs in latest.values()))
+    missing = {label: len((ids or common) - set(runs)) for label, runs in latest.items()}
+    if ids is not None and any(missing.values()):
+        raise ValueError("stores lack some of the tasks: " + ", ".join(f"{k} misses {v}" for k, v in missing.items() if v))
+    if not common:
+        raise ValueError("the stores have no task in common")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report = BenchReport()
+    report.rows = [(c, summarize(r for rid, r in latest[c.label].items() if rid in common)) for c in columns]
+    report.markdown = out_dir / "report.md"
+    report.markdown.write_text(markdown_report(report.rows, None, len(common), title))
+    report.json = out_dir / "report.json"
+    report.json.write_text(json.dumps({"stores": {c.label: str(c.path) for c in columns}, "ids": sorted(common), "rows": [
+        {"config": c.label, **s.to_dict()} for c, s in report.rows]}, indent=1, default=str))
+    report.plot = plot_pareto(report.rows, out_dir / "report.png")
+    return report
+

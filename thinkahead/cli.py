@@ -126,6 +126,10 @@ main.add_command(run)
 main.add_command(trace)
 main.add_command(bench)
 
+from thinkahead.compare_cli import compare  # noqa: E402
+
+main.add_command(compare)
+
 from thinkahead.serve_cli import serve  # noqa: E402
 
 main.add_command(serve)
