@@ -304,3 +304,14 @@ def test_join_steps_restores_trimmed_delimiters() -> None:
     assert join_steps(["a", "", "b"]) == "a\n\nb"
     assert join_steps(["a. ", "b."], delimiter="") == "a. b."
     assert join_steps([]) == ""
+
+
+def test_closes_step_sees_a_boundary_or_end_of_thinking_anywhere() -> None:
+    from thinkahead.step_spec.segment import closes_step
+
+    delim = SegmentConfig()
+    assert closes_step("The total is 5.\n\n", delim) and closes_step("a\n\nb", delim)
+    assert not closes_step("The total is 5.\n", delim) and not closes_step("\n\nabc", delim)  # nothing before it yet
+    assert closes_step("so 5</think>", delim)
+    sentence = SegmentConfig(mode="sentence")
+    assert closes_step("It costs 3. Then", sentence) and not closes_step("It costs 3.14 then", sentence)
