@@ -37,6 +37,19 @@ def test_config_files_in_yaml_toml_and_json(tmp_path):
     assert (j.policy.name, j.token_spec) == ("large", False)
 
 
+def test_policy_config_builds_the_token_repair() -> None:
+    config = OrchestratorConfig.model_validate(
+        {"policy": {"name": "specreason", "judge": "agreement", "margin": 0.5, "word_margin": 3, "repair": "token",
+                    "max_corrections": 2}})
+    policy = config.policy.build()
+    assert (policy.judge, policy.margin, policy.word_margin, policy.repair, policy.max_corrections) == (
+        "agreement", 0.5, 3.0, "token", 2)
+    for bad, field in (({"repair": "word"}, "repair"), ({"word_margin": 0}, "word_margin"),
+                       ({"max_corrections": 0}, "max_corrections")):
+        with pytest.raises(ValueError, match=field):
+            OrchestratorConfig.model_validate({"policy": {"name": "specreason", **bad}})
+
+
 def test_config_errors_name_the_file_and_field(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("policy: {name: specreason}\nconcurency: 2\n")
