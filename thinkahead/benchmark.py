@@ -188,13 +188,16 @@ def plot_pareto(rows: list[tuple[Column, BatchSummary]], path: Path) -> Path | N
     except ImportError:
         log.warning("matplotlib is not installed (pip install 'thinkahead[bench]'); no plot written")
         return None
-    fig, ax = plt.subplots(figsize=(6.4, 4.4))
-    for config, s in rows:
+    fig, ax = plt.subplots(figsize=(8.4, 4.4))
+    markers = "osD^vP*Xhp<>"  # with the colour cycle, no two of 12+ points look alike
+    for i, (config, s) in enumerate(rows):
         if s.accuracy is None or s.mean_wall_s is None:
             continue
         lo, hi = s.accuracy_ci
-        ax.errorbar(s.mean_wall_s, s.accuracy, yerr=[[s.accuracy - lo], [hi - s.accuracy]], fmt="o", capsize=3)
-        ax.annotate(config.label, (s.mean_wall_s, s.accuracy), textcoords="offset points", xytext=(5, 5), fontsize=8)
+        ax.errorbar(s.mean_wall_s, s.accuracy, yerr=[[s.accuracy - lo], [hi - s.accuracy]], fmt=markers[i % len(markers)],
+                    capsize=3, label=config.label)
+    if ax.get_legend_handles_labels()[0]:  # a legend beside the plot: labels of nearby points never overlap
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     ax.set_xlabel("seconds per task")
     ax.set_ylabel("accuracy")
     ax.set_title("accuracy vs time")
