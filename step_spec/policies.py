@@ -202,10 +202,15 @@ class SpecReason:
         judge = self.judge_for(ctx)
         text, last, tokens, checks, score = "", draft, {"small": draft.tokens, "large": 0}, 1, verdict.score
         discarded = []
-        for _ in range(self.max_corrections):
+        for fixes in range(self.max_corrections + 1):
             keep = int(verdict.details.get("keep_chars", 0))
             discarded.append(last.step.text[keep:])
-            text += last.step.text[:keep] + verdict.correction
+            text += last.step.text[:keep]
+            if fixes == self.max_corrections or not verdict.correction:  # the large model finishes the step
+                last = await write_step(ctx, "large", _with_reasoning(ctx, ctx.reasoning + text))
+                tokens["large"] += last.tokens
+                break
+            text += verdict.correction
             tokens["large"] += 1  # the corrected token, read off the verify pass
             if closes_step(text, ctx.segment):  # the large model's token ended the step
                 step = cut_step(text, ctx.segment)
@@ -217,14 +222,8 @@ class SpecReason:
             verdict = await judge.judge(_with_reasoning(ctx, ctx.reasoning + text), last.step.text)
             checks += verdict.judge_calls
             score = min(score, verdict.score)
-            if verdict.accept or not verdict.correction:
+            if verdict.accept:
                 break
-        if not verdict.accept:  # out of corrections, or the verifier could not name one: the large model finishes
-            keep = int(verdict.details.get("keep_chars", 0))
-            discarded.append(last.step.text[keep:])
-            text += last.step.text[:keep]
-            last = await write_step(ctx, "large", _with_reasoning(ctx, ctx.reasoning + text))
-            tokens["large"] += last.tokens
         return self._corrected(text + last.step.text, last, tokens, checks, score, discarded)
 
     @staticmethod

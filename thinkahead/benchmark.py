@@ -255,10 +255,11 @@ def compare_stores(columns: list[StoredColumn], out_dir: Path, ids: set[str] | N
         if not c.path.is_file():
             raise ValueError(f"no run store at {c.path} (column {c.label!r})")
         latest[c.label] = {rid: r for rid, r in ResultStore(c.path).latest().items() if ids is None or rid in ids}
+    if ids is not None:
+        missing = {label: len(ids - set(runs)) for label, runs in latest.items()}
+        if any(missing.values()):
+            raise ValueError("stores lack some of the tasks: " + ", ".join(f"{k} misses {v}" for k, v in missing.items() if v))
     common = set.intersection(*(set(runs) for runs in latest.values()))
-    missing = {label: len((ids or common) - set(runs)) for label, runs in latest.items()}
-    if ids is not None and any(missing.values()):
-        raise ValueError("stores lack some of the tasks: " + ", ".join(f"{k} misses {v}" for k, v in missing.items() if v))
     if not common:
         raise ValueError("the stores have no task in common")
     out_dir.mkdir(parents=True, exist_ok=True)
