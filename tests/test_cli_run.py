@@ -47,7 +47,7 @@ def test_run_reports_bad_lines_writes_results_resumes_and_traces(tiny_model_dir,
     again = CliRunner().invoke(main, ["run", str(tasks), *base_args(tiny_model_dir, out)])
     assert again.exit_code == 0, again.output
     assert "resuming: 2 of 2 tasks already" in again.output
-    assert len(out.read_text().splitlines()) == 2  # nothing ran twice
+    assert len(list(ResultStore(out))) == 2  # nothing ran twice
 
     shown = CliRunner().invoke(main, ["trace", str(out), "--id", "a"])
     assert shown.exit_code == 0, shown.output
@@ -97,7 +97,7 @@ def test_bench_writes_a_report_and_a_plot_and_resumes(tiny_model_dir, tmp_path):
     assert stores == ["runs-large.jsonl", "runs-specreason_3.jsonl", "runs-specreason_7.jsonl"]
     again = CliRunner().invoke(main, args)  # resumes: no run is repeated
     assert again.exit_code == 0, again.output
-    assert all(len((out_dir / s).read_text().splitlines()) == 2 for s in stores)
+    assert all(len(list(ResultStore(out_dir / s))) == 2 for s in stores)
 
 
 def test_bench_compares_judges_and_labels_the_token_repair(tiny_model_dir, tmp_path):

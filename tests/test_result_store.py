@@ -50,15 +50,85 @@ def test_append_then_read_back(tmp_path):
     assert store.done_ids() == {"1", "2"}  # errors run again on resume
 
 
-def test_a_torn_last_line_is_cut_off(tmp_path):
+def test_reading_skips_a_torn_last_line_and_never_changes_the_file(tmp_path):
     path = tmp_path / "runs.jsonl"
-    good = json.dumps(run_record("1").to_dict())
-    path.write_text(good + "\n" + '{"id": "2", "workflow": "w", "sta')
+    with ResultStore(path) as store:
+        store.append(run_record("1"))
+    torn = b'{"id": "2", "workflow": "w", "sta'
+    with open(path, "ab") as f:
+        f.write(torn)
+    before = path.read_bytes()
     store = ResultStore(path)
-    assert store.torn_bytes == len('{"id": "2", "workflow": "w", "sta')
-    assert path.read_text() == good + "\n"
-    store.append(run_record("2"))
+    assert [r.id for r in store] == ["1"] and store.torn_bytes == len(torn)
+    assert store.done_ids() == {"1"}
+    assert path.read_bytes() == before  # reading never changes a file
+    assert not (tmp_path / "runs.jsonl.torn").exists()
+
+
+def test_a_writer_moves_a_torn_tail_aside_before_appending(tmp_path):
+    path = tmp_path / "runs.jsonl"
+    with ResultStore(path) as store:
+        store.append(run_record("1"))
+    torn = b'{"id": "2", "workflow": "w", "sta'
+    with open(path, "ab") as f:
+        f.write(torn)
+    with ResultStore(path) as store:
+        store.append(run_record("2"))
+        assert store.moved_torn_to == tmp_path / "runs.jsonl.torn"
     assert [r.id for r in ResultStore(path)] == ["1", "2"]
+    assert (tmp_path / "runs.jsonl.torn").read_bytes() == torn + b"\n"  # the cut bytes are kept
+
+
+def test_a_file_that_is_not_a_store_is_neither_changed_nor_written(tmp_path):
+    path = tmp_path / "f.txt"
+    path.write_bytes(b"a\nb")
+    with pytest.raises(ValueError, match=r"f.txt:1: not a run record"):
+        ResultStore(path).latest()
+    with pytest.raises(ValueError, match=r"f.txt:1: not a run record"):
+        ResultStore(path).append(run_record("1"))
+    assert path.read_bytes() == b"a\nb"
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_bytes(b'{"id": "1", "question": "q"}\n{"id": "2", "question": "r"}')
+    with pytest.raises(ValueError, match=r"tasks.jsonl:1: not a run record"):
+        ResultStore(tasks).append(run_record("1"))
+    assert tasks.read_bytes() == b'{"id": "1", "question": "q"}\n{"id": "2", "question": "r"}'
+
+
+def test_a_store_records_its_configuration_and_refuses_another(tmp_path):
+    path = tmp_path / "runs.jsonl"
+    config = {"policy": {"name": "specreason", "threshold": 7.0}, "workflow": "cot"}
+    with ResultStore(path, config=config) as store:
+        store.append(run_record("1"))
+    with ResultStore(path, config=config) as store:  # the same settings resume
+        store.append(run_record("2"))
+    other = {"policy": {"name": "small", "threshold": 7.0}, "workflow": "cot"}
+    with pytest.raises(ValueError, match=r"policy.name: 'specreason' -> 'small'.*new file"):
+        ResultStore(path, config=other).open_for_append()
+    assert [r.id for r in ResultStore(path)] == ["1", "2"]
+    legacy = tmp_path / "legacy.jsonl"
+    legacy.write_text(json.dumps(run_record("1").to_dict()) + "\n")
+    assert [r.id for r in ResultStore(legacy)] == ["1"]  # readable
+    with pytest.raises(ValueError, match="no recorded configuration"):
+        ResultStore(legacy, config=config).open_for_append()
+
+
+def test_two_writers_of_one_store_are_refused_not_interleaved(tmp_path):
+    path = tmp_path / "runs.jsonl"
+    with ResultStore(path) as first:
+        first.append(run_record("1"))
+        with pytest.raises(ValueError, match="being written by another run"):
+            ResultStore(path).append(run_record("2"))
+        first.append(run_record("3"))
+    with ResultStore(path) as again:  # the lock goes with the writer
+        again.append(run_record("4"))
+    assert [r.id for r in ResultStore(path)] == ["1", "3", "4"]
+
+
+def test_a_store_in_an_unwritable_place_fails_before_anything_runs(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(ValueError, match="cannot write"):
+        ResultStore(blocker / "runs.jsonl").open_for_append()
 
 
 def test_a_corrupt_line_is_reported_with_its_number(tmp_path):
@@ -79,7 +149,7 @@ def test_a_killed_batch_resumes_without_losing_or_duplicating_results(tmp_path):
     proc = subprocess.Popen([*cmd, "0.3"])
     deadline = time.time() + 60
     while time.time() < deadline:
-        if path.exists() and path.read_text().count("\n") >= 3:
+        if path.exists() and len(list(ResultStore(path))) >= 3:
             break
         time.sleep(0.02)
     os.kill(proc.pid, signal.SIGKILL)

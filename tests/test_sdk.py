@@ -10,6 +10,7 @@ from thinkahead import Orchestrator, OrchestratorConfig
 from thinkahead.models import ScriptedModel
 from thinkahead.models.loader import load_model
 from thinkahead.orchestrator import END, START, StepGraph
+from thinkahead.orchestrator.store import ResultStore
 
 JUDGE_YES = [{"9": -0.05}]
 
@@ -22,15 +23,15 @@ def scripted_pair():
 
 def test_config_files_in_yaml_toml_and_json(tmp_path):
     yaml_file = tmp_path / "c.yaml"
-    yaml_file.write_text("small: m-small\nlarge: {spec: m-large, dtype: bfloat16}\npolicy: {name: specreason, threshold: 5}\n"
+    yaml_file.write_text("small: hf:org/m-small\nlarge: {spec: hf:org/m-large, dtype: bfloat16}\npolicy: {name: specreason, threshold: 5}\n"
                          "concurrency: 3\nbudget: {max_tokens: 900}\n")
     toml_file = tmp_path / "c.toml"
-    toml_file.write_text('small = "m-small"\nworkflow = "refine"\n[policy]\nname = "reflect"\n')
+    toml_file.write_text('small = "hf:org/m-small"\nworkflow = "refine"\n[policy]\nname = "reflect"\n')
     json_file = tmp_path / "c.json"
     json_file.write_text('{"policy": "large", "token_spec": false}')
     y = OrchestratorConfig.from_file(yaml_file)
     assert (y.small.spec, y.large.spec, y.large.dtype, y.policy.threshold, y.concurrency, y.budget.max_tokens) == (
-        "m-small", "m-large", "bfloat16", 5.0, 3, 900)
+        "hf:org/m-small", "hf:org/m-large", "bfloat16", 5.0, 3, 900)
     t = OrchestratorConfig.from_file(toml_file)
     assert (t.workflow, t.policy.name) == ("refine", "reflect")
     j = OrchestratorConfig.from_file(json_file)
@@ -76,7 +77,7 @@ def test_run_and_map_with_a_store_that_resumes(tmp_path):
     results = orch.map_sync(["q1", ("named", "q2")], store=store)
     assert sorted(r.id for r in results) == ["0", "named"]
     assert orch.map_sync(["q1", ("named", "q2")], store=store) == []  # all done: nothing runs again
-    assert len(store.read_text().splitlines()) == 2
+    assert len(list(ResultStore(store))) == 2
 
 
 def test_streaming_events_from_the_sdk():

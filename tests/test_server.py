@@ -346,5 +346,5 @@ def test_the_serve_command_loads_the_models_once_and_runs_uvicorn(monkeypatch, t
 
 def test_the_serve_command_reports_a_bad_model_spec():
     result = CliRunner().invoke(serve_command, ["--small", "no-such-model"])
-    assert result.exit_code == 1
+    assert result.exit_code == 2  # an input error, caught before any model loads
     assert "cannot resolve model spec 'no-such-model'" in result.output

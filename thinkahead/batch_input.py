@@ -38,18 +38,23 @@ class TaskFile:
 
 
 def read_tasks(path: str | os.PathLike[str], limit: int | None = None) -> TaskFile:
-    """All good tasks (at most `limit`) and all bad lines of `path`."""
+    """All good tasks (at most `limit`) and all bad lines of `path` (undecodable bytes included)."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"input file {path} does not exist")
     out = TaskFile()
     seen: dict[str, int] = {}
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
+    with open(path, "rb") as f:  # lines end at b"\n" only, as editors and `wc -l` count them
+        for lineno, raw in enumerate(f, 1):
+            if not raw.strip():
                 continue
             if limit is not None and len(out.tasks) >= limit:
                 break
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                out.bad.append(BadLine(lineno, f"not UTF-8 (byte {raw[exc.start]:#04x} at column {exc.start + 1})"))
+                continue
             task, why = _parse(line, lineno)
             if task is None:
                 out.bad.append(BadLine(lineno, why))
@@ -64,8 +69,8 @@ def read_tasks(path: str | os.PathLike[str], limit: int | None = None) -> TaskFi
 def _parse(line: str, lineno: int) -> tuple[Task | None, str]:
     try:
         record = json.loads(line)
-    except json.JSONDecodeError as exc:
-        return None, f"not valid JSON ({exc.msg} at column {exc.colno})"
+    except json.JSONDecodeError as exc:  # the line is one JSON text, so the error's offset is its column
+        return None, f"not valid JSON ({exc.msg} at column {exc.pos + 1})"
     if not isinstance(record, dict):
         return None, f"expected a JSON object, got {type(record).__name__}"
     key = next((k for k in QUESTION_KEYS if k in record), None)

@@ -115,30 +115,38 @@ def run_bench(
     `graph(run_id)` builds each task's graph when tasks need their own (a suite's workflow
     options per task); by default every task runs the settings' workflow.
     """
+    from thinkahead.config import OrchestratorConfig
     from thinkahead.sdk import Orchestrator
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    base = Orchestrator(config=settings)
-    small, large = base.small, base.large  # load the models once for every configuration
-    report = BenchReport()
-    for config in configs:
-        cfg = json.loads(json.dumps(settings))
-        cfg["policy"]["name"] = config.policy
-        if config.threshold is not None:
-            cfg["policy"]["threshold"] = config.threshold
-        cfg["policy"]["judge"] = config.judge
-        cfg["policy"]["repair"] = config.repair
-        cfg["token_spec"] = config.token_spec
-        orch = Orchestrator(small, large, config=cfg)
-        _clear_caches([small, large])
-        path = store_path(out_dir, config)
+    plans = []  # every store is checked (kind, configuration, writable) before the models load
+    try:
+        for config in configs:
+            cfg = json.loads(json.dumps(settings))
+            cfg["policy"]["name"] = config.policy
+            if config.threshold is not None:
+                cfg["policy"]["threshold"] = config.threshold
+            cfg["policy"]["judge"] = config.judge
+            cfg["policy"]["repair"] = config.repair
+            cfg["token_spec"] = config.token_spec
+            store = ResultStore(store_path(out_dir, config), OrchestratorConfig.model_validate(cfg).store_identity())
+            plans.append((config, cfg, store))
+            store.open_for_append()
+        base = Orchestrator(config=settings)
+        small, large = base.small, base.large  # load the models once for every configuration
+        report = BenchReport()
         items = [(t.id, t.inputs, {"reference": t.reference} if t.reference is not None else {}) for t in tasks]
-        with ResultStore(path) as store:
+        ids = {t.id for t in tasks}
+        for config, cfg, store in plans:
+            orch = Orchestrator(small, large, config=cfg)
+            _clear_caches([small, large])
             asyncio.run(orch.map(items, graph, store=store, annotate=annotate,
                                  on_result=(lambda r, c=config: on_result(c, r)) if on_result else None))
-        ids = {t.id for t in tasks}
-        results = [r for rid, r in ResultStore(path).latest().items() if rid in ids]
-        report.rows.append((config, summarize(results)))
+            store.close()
+            results = [r for rid, r in ResultStore(store.path).latest().items() if rid in ids]
+            report.rows.append((config, summarize(results)))
+    finally:
+        for _, _, store in plans:
+            store.close()
     report.markdown = out_dir / "report.md"
     report.markdown.write_text(markdown_report(report.rows, settings, len(tasks), title))
     report.json = out_dir / "report.json"

@@ -27,6 +27,11 @@ from thinkahead.step_spec.loop import StepBudget
 from thinkahead.step_spec.policies import POLICY_NAMES
 from thinkahead.step_spec.segment import SegmentConfig
 
+# A run's wall-clock deadline unless `budget.max_wall_s` says otherwise (`null`: none). Runs of the
+# local models take seconds to a few minutes; each model call is bounded too, by its backend's
+# `call_timeout_s` (thinkahead.models.http.DEFAULT_CALL_TIMEOUT_S) and `budget.max_call_s`.
+DEFAULT_RUN_WALL_S = 1800.0
+
 
 class ModelConfig(BaseModel, extra="forbid"):
     """A model: its spec (see `load_model`) and backend options."""
@@ -37,6 +42,29 @@ class ModelConfig(BaseModel, extra="forbid"):
     max_draft: int = Field(default=16, gt=0)
     tokenizer: str | None = Field(default=None, description="remote models: a model spec whose chat template to use")
     record: str | None = Field(default=None, description="local models: append every generation's token ids here")
+
+    @field_validator("spec")
+    @classmethod
+    def _spec_resolves(cls, value: str) -> str:
+        from thinkahead.models.loader import check_model_spec
+
+        return check_model_spec(value)
+
+    @field_validator("dtype")
+    @classmethod
+    def _known_dtype(cls, value: str) -> str:
+        from thinkahead.model_registry import DTYPES
+
+        if value not in DTYPES:
+            raise ValueError(f"unknown dtype {value!r}; choose one of {', '.join(DTYPES)}")
+        return value
+
+    @field_validator("drafter")
+    @classmethod
+    def _known_drafter(cls, value: str) -> str:
+        from thinkahead.token_spec.names import SINGLE_MODEL_KINDS, check_drafter
+
+        return check_drafter(value, SINGLE_MODEL_KINDS)
 
     def options(self) -> dict[str, Any]:
         options: dict[str, Any] = {"dtype": self.dtype, "drafter": self.drafter, "max_draft": self.max_draft}
@@ -83,6 +111,23 @@ class PolicyConfig(BaseModel, extra="forbid"):
         return make_policy(self.name)
 
 
+def explain(exc: ValidationError, source: str = "config") -> str:
+    """A pydantic error as one line per problem: `SOURCE: field.path: message (got VALUE)`."""
+    lines = []
+    for err in exc.errors():
+        where = ".".join(str(part) for part in err["loc"]) or "(top level)"
+        message = " ".join(str(err["msg"]).removeprefix("Value error, ").split())  # one line
+        got = err.get("input")
+        shown = "" if isinstance(got, dict) or repr(got) in message else f" (got {got!r:.80})"
+        lines.append(f"{source}: {where}: {message}{shown}")
+    return "\n".join(lines)
+
+
+# Settings that change how a batch runs but not what its runs compute: a store written with one
+# value may be resumed with another (see `OrchestratorConfig.store_identity`).
+RESUME_NEUTRAL = ("concurrency", "retry", "small.record", "large.record", "budget.max_call_s", "batch_budget")
+
+
 class OrchestratorConfig(BaseModel, extra="forbid"):
     """Everything an `Orchestrator` needs; each field has a working default."""
 
@@ -93,11 +138,21 @@ class OrchestratorConfig(BaseModel, extra="forbid"):
     workflow_options: dict[str, Any] = Field(default_factory=dict)
     segment: SegmentConfig = SegmentConfig(max_step_tokens=128)
     steps: StepBudget = StepBudget(max_steps=16, max_tokens=1024)
-    budget: RunBudget = RunBudget()
+    budget: RunBudget = RunBudget(max_wall_s=DEFAULT_RUN_WALL_S)
     batch_budget: RunBudget = RunBudget()
     retry: RetryPolicy = RetryPolicy()
     concurrency: int = Field(default=1, ge=1)
     token_spec: bool = True
+
+    @field_validator("budget", mode="before")
+    @classmethod
+    def _run_deadline_by_default(cls, value: Any) -> Any:
+        """A run budget that leaves `max_wall_s` out gets `DEFAULT_RUN_WALL_S`; `null` lifts it."""
+        if isinstance(value, dict) and "max_wall_s" not in value:
+            return {**value, "max_wall_s": DEFAULT_RUN_WALL_S}
+        if isinstance(value, RunBudget) and "max_wall_s" not in value.model_fields_set:
+            return value.model_copy(update={"max_wall_s": DEFAULT_RUN_WALL_S})
+        return value
 
     @field_validator("small", "large", mode="before")
     @classmethod
@@ -119,6 +174,17 @@ class OrchestratorConfig(BaseModel, extra="forbid"):
         if value not in WORKFLOWS:
             raise ValueError(f"unknown workflow {value!r}; built-in workflows: {', '.join(WORKFLOWS)}")
         return value
+
+    def store_identity(self) -> dict[str, Any]:
+        """The settings a result store records: a resume must match them (all but `RESUME_NEUTRAL`)."""
+        data = self.model_dump(mode="json")
+        for dotted in RESUME_NEUTRAL:
+            *parents, leaf = dotted.split(".")
+            node = data
+            for key in parents:
+                node = node.get(key, {})
+            node.pop(leaf, None)
+        return data
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> OrchestratorConfig:
@@ -152,4 +218,4 @@ class OrchestratorConfig(BaseModel, extra="forbid"):
         try:
             return cls.model_validate(data)
         except ValidationError as exc:
-            raise ValueError(f"config file {path}: {exc}") from exc
+            raise ValueError(explain(exc, f"config file {path}")) from None

@@ -2,23 +2,25 @@
 
 All prompts share one suffix cache, so later prompts draft from earlier answers
 (the point of SuffixDecoding for agent loops and batch jobs). Each finished
-result is appended to the output JSONL and flushed at once; a rerun with the
-same output file skips the ids already there, so a crash loses nothing finished.
+result is appended to the output JSONL (a `JsonlLog` of kind "generations", whose
+header records the settings) and fsynced at once; a rerun with the same output file
+and settings skips the ids already there, so a crash loses nothing finished. Every
+path and file is checked before a model loads.
 """
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
-import json
 
 import click
 
 from thinkahead.model_registry import DTYPES
-
-# The choices of --drafter (token_spec.presets.DRAFTER_KINDS, repeated so that --help stays light).
-DRAFTERS = ("suffix", "suffix-tree", "prompt-lookup", "draft-model", "hybrid", "combined", "none")
+from thinkahead.run_cli import InputError, same_file
+from thinkahead.token_spec.names import DRAFTER_KINDS, MODEL_DRAFT_KINDS
 
 
 @dataclass(slots=True)
@@ -28,50 +30,85 @@ class PromptItem:
 
 
 def read_prompts(path: Path) -> Iterator[PromptItem]:
-    """Prompts from JSONL (`{"id": ..., "prompt": ...}` per line) with line-numbered errors."""
-    with open(path, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
-            if not line.strip():
+    """Prompts from JSONL (`{"id": ..., "prompt": ...}` per line); the first bad line stops with its number."""
+    seen: dict[str, int] = {}
+    with open(path, "rb") as fh:  # lines end at b"\n" only, as editors count them
+        for lineno, raw in enumerate(fh, start=1):
+            if not raw.strip():
                 continue
             try:
-                row = json.loads(line)
+                row = json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError as exc:
+                raise InputError(f"{path}:{lineno}: not UTF-8 (byte {raw[exc.start]:#04x} at column {exc.start + 1})") from None
             except ValueError as exc:
-                raise click.UsageError(f"{path}:{lineno}: not valid JSON ({exc})") from None
+                raise InputError(f"{path}:{lineno}: not valid JSON ({exc})") from None
             if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-                raise click.UsageError(f'{path}:{lineno}: expected an object with a string "prompt"')
-            yield PromptItem(id=str(row.get("id", lineno)), prompt=row["prompt"])
+                raise InputError(f'{path}:{lineno}: expected an object with a string "prompt"')
+            rid = str(row.get("id", lineno))
+            if rid in seen:
+                raise InputError(f"{path}:{lineno}: duplicate id {rid!r} (first on line {seen[rid]})")
+            seen[rid] = lineno
+            yield PromptItem(id=rid, prompt=row["prompt"])
 
 
-def done_ids(path: Path) -> set[str]:
-    if not path.exists():
-        return set()
-    ids = set()
-    with open(path, encoding="utf-8") as fh:
-        for line in fh:
-            try:
-                ids.add(str(json.loads(line)["id"]))
-            except (ValueError, KeyError, TypeError):
-                continue  # a torn last line from a killed run: that item is simply redone
-    return ids
+GENERATIONS_KIND = "generations"
 
 
-def build_decoder(model_spec: str, drafter: str, draft_spec: str | None, dtype: str, max_draft: int, cache_file: Path | None):
-    """Load the target (and draft) model and wire the speculative decoder."""
+def _generation(record: dict) -> dict:
+    if not isinstance(record.get("id"), str) or not isinstance(record.get("text"), str):
+        raise ValueError('expected an object with string "id" and "text"')
+    return record
+
+
+def generation_log(path: Path, config: dict | None = None):
+    """The output file of `generate` as a `JsonlLog` (read it with `list(...)`, one dict per result)."""
+    from thinkahead.orchestrator.jsonl import JsonlLog
+
+    return JsonlLog(path, GENERATIONS_KIND, _generation, config)
+
+
+def load_cache(cache_file: Path | None):
+    """The suffix cache to start from: `cache_file` if it exists (checked now, before any model loads)."""
+    from thinkahead.token_spec.suffix_cache import SuffixCache
+
+    if cache_file is None or not cache_file.exists():
+        return SuffixCache()
+    try:
+        return SuffixCache.load(cache_file)
+    except (ValueError, OSError, EOFError, KeyError, TypeError) as exc:
+        raise InputError(f"--cache-file {cache_file}: not a readable suffix cache ({exc}); "
+                         "delete it or give another path") from None
+
+
+def check_writable_dir(path: Path, option: str) -> None:
+    """A file can be created at `path` (its folder exists and takes writes); else an input error."""
+    folder = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        raise InputError(f"{option} {path} is a directory, not a file")
+    if not folder.is_dir():
+        raise InputError(f"{option} {path}: folder {folder} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise InputError(f"{option} {path}: folder {folder} is not writable")
+
+
+def build_decoder(model_spec: str, drafter: str, draft_spec: str | None, dtype: str, max_draft: int, cache):
+    """Load the target (and draft) model and wire the speculative decoder over `cache`."""
     from thinkahead.model_registry import load_causal_lm
     from thinkahead.token_spec import presets
     from thinkahead.token_spec.backends.hf import HFEngine
-    from thinkahead.token_spec.suffix_cache import SuffixCache
 
-    if drafter in ("draft-model", "hybrid") and not draft_spec:
-        raise click.UsageError(f"--drafter {drafter} needs --draft-model")
     model, tokenizer = load_causal_lm(model_spec, dtype)
-    needs_draft = drafter in ("draft-model", "hybrid")
+    vocab = model.get_input_embeddings().weight.shape[0]
+    largest = cache.max_token_id()
+    if largest is not None and largest >= vocab:
+        raise InputError(f"--cache-file holds token id {largest}, outside {model_spec}'s vocabulary of {vocab}: "
+                         "it was built for another model; use another --cache-file")
+    needs_draft = drafter in MODEL_DRAFT_KINDS
     draft_engine = HFEngine(load_causal_lm(draft_spec, dtype)[0]) if needs_draft else None
-    cache = SuffixCache.load(cache_file) if cache_file is not None and cache_file.exists() else SuffixCache()
     decoder = presets.build_decoder(
         drafter, HFEngine(model), tokenizer=tokenizer, draft_engine=draft_engine, cache=cache, max_draft=max_draft
     )
-    return decoder, tokenizer, cache
+    return decoder, tokenizer
 
 
 def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
@@ -90,7 +127,7 @@ def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
               help="Append results here as JSONL (and skip ids already in it).")
 @click.option("-m", "--model", default="qwen2.5-coder-0.5b", show_default=True,
               help="Target model: a packaged name (thinkahead models list), gguf:PATH, hf:ID or a directory.")
-@click.option("--drafter", type=click.Choice(DRAFTERS), default="suffix", show_default=True)
+@click.option("--drafter", type=click.Choice(DRAFTER_KINDS), default="suffix", show_default=True)
 @click.option("--draft-model", default=None, help="Small model for --drafter draft-model / hybrid.")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=256, show_default=True)
 @click.option("--max-draft", type=click.IntRange(min=0), default=16, show_default=True, help="Most draft tokens per round.")
@@ -105,21 +142,49 @@ def generate(prompts, input_path, output, model, drafter, draft_model, max_new_t
     """Generate answers with speculative decoding and print per-prompt speed and acceptance."""
     from thinkahead.token_spec.verify import SamplingParams
 
+    from thinkahead.models.loader import check_model_spec
+    from thinkahead.orchestrator.jsonl import LogError
+
     items: list[PromptItem] = [PromptItem(id=str(i + 1), prompt=p) for i, p in enumerate(prompts)]
     if input_path is not None:
         items += list(read_prompts(input_path))
     if not items:
         raise click.UsageError("give prompts as arguments or with --input FILE.jsonl")
-    skip = done_ids(output) if output is not None else set()
+    if drafter in MODEL_DRAFT_KINDS and not draft_model:
+        raise click.UsageError(f"--drafter {drafter} needs --draft-model")
+    for option, spec in (("--model", model), ("--draft-model", draft_model)):
+        try:
+            if spec is not None:
+                check_model_spec(spec)
+        except ValueError as exc:
+            raise InputError(f"{option}: " + " ".join(str(exc).split())) from None
+    if output is not None and input_path is not None and same_file(output, input_path):
+        raise InputError(f"-o {output} is the input file; write results to another file")
+    if cache_file is not None:
+        check_writable_dir(cache_file, "--cache-file")
+    cache = load_cache(cache_file)
+    settings = {"model": model, "drafter": drafter, "draft_model": draft_model, "dtype": dtype,
+                "max_new_tokens": max_new_tokens, "max_draft": max_draft, "temperature": temperature,
+                "top_p": top_p, "seed": seed}
+    out_log = generation_log(output, settings) if output is not None else None
+    try:
+        if out_log is not None:
+            out_log.open_for_append()
+            skip = {r["id"] for r in out_log}
+        else:
+            skip = set()
+    except LogError as exc:
+        raise InputError(str(exc)) from None
+    if out_log is not None and out_log.moved_torn_to is not None:
+        click.echo(f"{output}: a torn last line (a write cut short) was moved to {out_log.moved_torn_to}", err=True)
     todo = [it for it in items if it.id not in skip]
     if skip:
         click.echo(f"resuming: {len(items) - len(todo)} of {len(items)} already in {output}", err=True)
     if not todo:
         return
-    decoder, tokenizer, cache = build_decoder(model, drafter, draft_model, dtype, max_draft, cache_file)
+    decoder, tokenizer = build_decoder(model, drafter, draft_model, dtype, max_draft, cache)
     sampling = SamplingParams(temperature=temperature, top_p=top_p)
     totals = {"tokens": 0, "decode_s": 0.0, "verify": 0}
-    out_fh = open(output, "a", encoding="utf-8") if output is not None else None
     try:
         for item in todo:
             ids = chat_prompt_ids(tokenizer, item.prompt)
@@ -127,9 +192,8 @@ def generate(prompts, input_path, output, model, drafter, draft_model, max_new_t
             s = r.stats
             record = {"id": item.id, "prompt": item.prompt, "text": r.text, "finish_reason": r.finish_reason,
                       "token_ids": r.token_ids, "stats": s.to_dict()}
-            if out_fh is not None:
-                out_fh.write(json.dumps(record) + "\n")
-                out_fh.flush()
+            if out_log is not None:
+                out_log.append_record(record)
             else:
                 click.echo(f"--- {item.id}\n{r.text}")
             click.echo(f"[{item.id}] {s.completion_tokens} tokens, {s.tokens_per_s:.2f} tok/s, "
@@ -138,10 +202,10 @@ def generate(prompts, input_path, output, model, drafter, draft_model, max_new_t
             totals["decode_s"] += s.total_time_s - s.prefill_time_s
             totals["verify"] += s.spec_verify_ct
     finally:
-        if out_fh is not None:
-            out_fh.close()
+        if out_log is not None:
+            out_log.close()
         if cache_file is not None:
-            cache.save(cache_file)
+            cache.save(cache_file)  # atomic: a temporary file renamed over the old cache
     if totals["verify"]:
         click.echo(
             f"done: {len(todo)} prompts, {totals['tokens']} tokens, "

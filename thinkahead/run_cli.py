@@ -16,6 +16,39 @@ from thinkahead.orchestrator.summary import BatchSummary, fmt, fmt_interval
 
 POLICIES = ("large", "small", "specreason", "arbitrage", "reflect")
 
+EXIT_OK, EXIT_RUNS_FAILED, EXIT_INPUT = 0, 1, 2  # docs/cli.md "Exit codes"
+
+
+class InputError(click.ClickException):
+    """A usage or input problem the user can fix (a bad file, value or path): exit code 2, no usage text."""
+
+    exit_code = EXIT_INPUT
+
+
+def same_file(a: Path, b: Path) -> bool:
+    """Whether two paths name one file (through links and relative paths)."""
+    try:
+        return a.resolve() == b.resolve() or (a.exists() and b.exists() and a.samefile(b))
+    except OSError:
+        return False
+
+
+def open_store(path: Path, config: dict[str, Any] | None, inputs: tuple[Path, ...] = ()):
+    """A result store checked for writing (recognised, same configuration, writable) before any model loads."""
+    from thinkahead.orchestrator.store import LogError, ResultStore
+
+    for source in inputs:
+        if source is not None and same_file(path, source):
+            raise InputError(f"-o {path} is the input file; write results to another file")
+    try:
+        store = ResultStore(path, config=config)
+        store.open_for_append()
+    except LogError as exc:
+        raise InputError(str(exc)) from None
+    if store.moved_torn_to is not None:
+        click.echo(f"{path}: a torn last line (a write cut short) was moved to {store.moved_torn_to}", err=True)
+    return store
+
 
 def orchestrator_options(fn):
     """The options `run`, `bench` and `serve` share: models, policy, budgets, config file."""
@@ -52,12 +85,14 @@ def orchestrator_options(fn):
 def build_settings(config_path, small, large, dtype, threshold, max_steps, max_tokens, step_tokens, no_token_spec,
                    record=None, judge=None, margin=None, word_margin=None, repair=None, **extra: Any) -> dict[str, Any]:
     """An `OrchestratorConfig` as a dict: the file's values, overridden by the options given."""
-    from thinkahead.config import OrchestratorConfig
+    from pydantic import ValidationError
+
+    from thinkahead.config import OrchestratorConfig, explain
 
     try:
         config = OrchestratorConfig.from_file(config_path) if config_path else OrchestratorConfig()
     except ValueError as exc:
-        raise click.UsageError(str(exc)) from exc
+        raise InputError(str(exc)) from exc
     data = config.model_dump()
     for tier, spec in (("small", small), ("large", large)):
         if spec is not None:
@@ -86,8 +121,8 @@ def build_settings(config_path, small, large, dtype, threshold, max_steps, max_t
                 data[key] = value
     try:
         OrchestratorConfig.model_validate(data)
-    except ValueError as exc:
-        raise click.UsageError(str(exc)) from exc
+    except ValidationError as exc:
+        raise InputError(explain(exc, "options")) from None
     return data
 
 
@@ -222,32 +257,35 @@ def run(input_path, workflow, policy, out, limit, concurrency, checker, on_bad_l
     Each line: {"id": ..., "question": ..., "answer": optional reference}.
     """
     from thinkahead.batch_input import read_tasks
-    from thinkahead.orchestrator.store import ResultStore
+    from thinkahead.orchestrator.store import DONE_STATUSES, ResultStore
     from thinkahead.orchestrator.summary import summarize
     from thinkahead.sdk import Orchestrator
 
     if limit is not None and limit < 1:
         raise click.UsageError("--limit must be at least 1")
+    if same_file(out, input_path):
+        raise InputError(f"-o {out} is the input file; write results to another file")
     try:
         tasks = read_tasks(input_path, limit=limit)
     except ValueError as exc:
-        raise click.UsageError(str(exc)) from exc
+        raise InputError(str(exc)) from exc
     for bad in tasks.bad:
         click.echo(f"{input_path}:{bad.line}: {bad.reason}" + (" (skipped)" if on_bad_line == "skip" else ""), err=True)
     if tasks.bad and on_bad_line == "fail":
-        raise click.ClickException(f"{len(tasks.bad)} bad input line(s); nothing was run")
+        raise InputError(f"{len(tasks.bad)} bad input line(s) in {input_path}; nothing was run")
     if not tasks.tasks:
-        raise click.ClickException(f"no valid tasks in {input_path}")
+        raise InputError(f"no valid tasks in {input_path}")
     settings = build_settings(**options, workflow=workflow, policy=policy, concurrency=concurrency)
+    orch = Orchestrator(config=settings)
+    store = open_store(out, orch.config.store_identity(), (input_path,))
     try:
-        store = ResultStore(out)
+        done = store.done_ids()
     except ValueError as exc:
-        raise click.UsageError(str(exc)) from exc
-    done = store.done_ids()
+        store.close()
+        raise InputError(str(exc)) from exc
     todo = [t for t in tasks.tasks if t.id not in done]
     if done:
         click.echo(f"resuming: {len(tasks.tasks) - len(todo)} of {len(tasks.tasks)} tasks already in {out}", err=True)
-    orch = Orchestrator(config=settings)
     load_models(orch)
     progress = Progress(len(todo))
     items = [(t.id, t.inputs, {"reference": t.reference} if t.reference is not None else {}) for t in todo]
@@ -264,6 +302,11 @@ def run(input_path, workflow, policy, out, limit, concurrency, checker, on_bad_l
     results = [r for rid, r in ResultStore(out).latest().items() if rid in ids]
     click.echo(summary_table([(f"{orch.config.workflow}/{orch.config.policy.name}", summarize(results))]))
     click.echo(f"results: {out}")
+    failed = [r.id for r in results if r.status not in DONE_STATUSES]
+    if failed:
+        click.echo(f"{len(failed)} run(s) failed ({', '.join(failed[:5])}{' ...' if len(failed) > 5 else ''}); "
+                   f"`thinkahead trace {out} --id ID` shows why, and the same command runs them again", err=True)
+        sys.exit(EXIT_RUNS_FAILED)
 
 
 @click.command()
@@ -275,10 +318,14 @@ def trace(results_path, run_id, full, as_json) -> None:
     """Show one run's steps: who wrote each, scores, tokens and time."""
     from thinkahead.orchestrator.store import ResultStore
 
+    store = ResultStore(results_path)
     try:
-        runs = ResultStore(results_path).latest()
+        runs = store.latest()
     except ValueError as exc:
-        raise click.ClickException(str(exc)) from exc
+        raise InputError(str(exc)) from exc
+    if store.torn_bytes:
+        click.echo(f"{results_path}: skipped an unterminated last line ({store.torn_bytes} bytes; a write cut short)",
+                   err=True)
     if run_id is None:
         for r in runs.values():
             click.echo(f"{r.id}\t{r.status}\t{r.answer!r}")
@@ -335,6 +382,7 @@ def trace(results_path, run_id, full, as_json) -> None:
 def bench(input_path, suite, workflow, policies, thresholds, judges, token_spec, out_dir, limit, checker, **options) -> None:
     """Run step policies side by side on INPUT.jsonl or a --suite; write a markdown report and plots."""
     from thinkahead.benchmark import matrix, run_bench
+    from thinkahead.orchestrator.jsonl import LogError
 
     names = [p.strip() for p in policies.split(",") if p.strip()]
     unknown = [p for p in names if p not in POLICIES]
@@ -359,8 +407,11 @@ def bench(input_path, suite, workflow, policies, thresholds, judges, token_spec,
                    + (f" correct={result.meta['correct']}" if "correct" in result.meta else ""), err=True)
 
     quiet_loading()
-    report = run_bench(tasks, configs, settings, out_dir, annotate=annotate, on_result=progress, graph=graph,
-                       title=title)
+    try:
+        report = run_bench(tasks, configs, settings, out_dir, annotate=annotate, on_result=progress, graph=graph,
+                           title=title)
+    except LogError as exc:
+        raise InputError(str(exc)) from None
     click.echo(summary_table([(c.label, s) for c, s in report.rows]))
     plots = [str(p) for p in (report.plot, report.warmth_plot) if p]
     click.echo(f"report: {report.markdown}" + (f", plots: {', '.join(plots)}" if plots else ""))

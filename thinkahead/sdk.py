@@ -156,7 +156,13 @@ class Orchestrator:
         for i, item in enumerate(batch):
             items.append(item if isinstance(item, tuple) else (str(i), item))
         owned = store is not None and not isinstance(store, ResultStore)
-        result_store = ResultStore(store) if owned else store
+        if owned:
+            identity = self.config.store_identity()
+            if isinstance(workflow, str):
+                identity["workflow"] = workflow
+            result_store = ResultStore(store, config=identity)
+        else:
+            result_store = store
         try:
             graph = workflow if callable(workflow) and not isinstance(workflow, StepGraph) else self.workflow(workflow)
             return await self.runtime.map(graph, items, store=result_store, on_result=on_result,

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from thinkahead.token_spec.presets import MODEL_FREE_KINDS
+from thinkahead.token_spec.names import MODEL_FREE_KINDS
 
 
 @click.command()

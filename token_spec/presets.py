@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from thinkahead.token_spec.controller import AdaptiveController, FixedController, MatchLengthController
 from thinkahead.token_spec.decoder import SpeculativeDecoder
+from thinkahead.token_spec.names import DRAFTER_KINDS, MODEL_DRAFT_KINDS, MODEL_FREE_KINDS, check_drafter
 from thinkahead.token_spec.drafters import (
     CombinedDrafter,
     DraftModelDrafter,
@@ -18,11 +19,9 @@ from thinkahead.token_spec.drafters import (
 from thinkahead.token_spec.prefix_pool import KVPrefixPool
 from thinkahead.token_spec.suffix_cache import SuffixCache
 
-DRAFTER_KINDS = ("suffix", "suffix-tree", "prompt-lookup", "draft-model", "hybrid", "combined", "none")
+__all__ = ["DRAFTER_KINDS", "MODEL_FREE_KINDS", "build_decoder", "model_free_drafter"]
+
 MODEL_DRAFT_TOKENS = 4  # a draft-model token costs a forward of the small model: keep rounds short
-
-
-MODEL_FREE_KINDS = ("suffix", "suffix-tree", "prompt-lookup", "prompt-lookup-recent", "combined")
 
 
 def model_free_drafter(kind: str, cache: SuffixCache | None = None):
@@ -57,9 +56,8 @@ def build_decoder(
     `cache` is the shared suffix cache (a fresh one if None); `prefix_pool` lets prompts that
     extend an earlier one reuse its KV.
     """
-    if kind not in DRAFTER_KINDS:
-        raise ValueError(f"unknown drafter {kind!r}; expected one of {', '.join(DRAFTER_KINDS)}")
-    if kind in ("draft-model", "hybrid") and draft_engine is None:
+    check_drafter(kind)
+    if kind in MODEL_DRAFT_KINDS and draft_engine is None:
         raise ValueError(f"drafter {kind!r} needs a draft model engine")
     cache = cache if cache is not None else SuffixCache()
     if kind in MODEL_FREE_KINDS:

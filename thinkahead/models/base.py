@@ -9,6 +9,9 @@ a score from the logprobs of digit tokens in one forward pass).
 from __future__ import annotations
 
 import abc
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -87,6 +90,49 @@ class TokenScore:
     def gap(self) -> float:
         """How many nats likelier the model's own choice is than this token (0 when it agrees)."""
         return max(0.0, self.top_logprob - self.logprob)
+
+
+@dataclass(slots=True)
+class CallScope:
+    """One model call as the layers under its caller see it (open one with `model_call`).
+
+    The caller sets `deadline`; a transport with its own retry policy (`HttpClient`) ends every
+    request of the call by then, counts each request it tries into `attempts` (and each resend
+    into `retries`), and sets `retried`: the call's failures are then final, and a caller must
+    not retry them again.
+    """
+
+    deadline: float | None = None  # time.monotonic() by which the call must be over; None: no limit
+    attempts: int = 0  # requests tried, refused connections included
+    retries: int = 0  # of those, resends of a request whose earlier attempt failed
+    retried: bool = False  # a transport applied its own retry policy to this call
+
+
+_CURRENT_CALL: ContextVar[CallScope | None] = ContextVar("thinkahead_model_call", default=None)
+
+
+@contextmanager
+def model_call(deadline: float | None = None) -> Iterator[CallScope]:
+    """Run a model call in a fresh `CallScope`; an enclosing call's deadline still applies, and the
+    enclosing call's counts include this one's."""
+    outer = _CURRENT_CALL.get()
+    if outer is not None and outer.deadline is not None:
+        deadline = outer.deadline if deadline is None else min(deadline, outer.deadline)
+    scope = CallScope(deadline)
+    token = _CURRENT_CALL.set(scope)
+    try:
+        yield scope
+    finally:
+        _CURRENT_CALL.reset(token)
+        if outer is not None:
+            outer.attempts += scope.attempts
+            outer.retries += scope.retries
+            outer.retried = outer.retried or scope.retried
+
+
+def current_call() -> CallScope | None:
+    """The innermost open `model_call` scope of this task, if any."""
+    return _CURRENT_CALL.get()
 
 
 class LanguageModel(abc.ABC):

@@ -18,32 +18,56 @@ REMOTE_PREFIXES = ("openai:", "sglang:")
 LOCAL_ONLY_OPTIONS = {"dtype", "drafter", "max_draft", "kv_sessions"}  # dropped for remote backends
 
 
+def _openai_parts(spec: str) -> tuple[str, str]:
+    model, sep, url = spec[len("openai:"):].partition("@")
+    if not sep or not model or not url.startswith(("http://", "https://")):
+        raise ValueError(f"bad OpenAI model spec {spec!r}: expected openai:MODEL@http(s)://HOST[:PORT]/v1")
+    return model, url
+
+
+def _sglang_parts(spec: str) -> tuple[str | None, str]:
+    name: str | None = None
+    url = spec[len("sglang:"):]
+    if not url.startswith(("http://", "https://")):
+        name, _, url = url.partition("@")
+    if name == "" or not url.startswith(("http://", "https://")) or not url.split("://", 1)[1]:
+        raise ValueError(f"bad SGLang model spec {spec!r}: expected sglang:[NAME@]http(s)://HOST:PORT")
+    return name, url
+
+
+def check_model_spec(spec: str) -> str:
+    """`spec`, stripped, if it names a model (a remote URL that parses, a local model that resolves);
+    a ValueError that says why and lists the accepted forms otherwise. Loads nothing."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"model spec must be a non-empty string, got {spec!r}")
+    spec = spec.strip()
+    if spec.startswith("openai:"):
+        _openai_parts(spec)
+    elif spec.startswith("sglang:"):
+        _sglang_parts(spec)
+    else:
+        from thinkahead.model_registry import resolve_model_spec
+
+        resolve_model_spec(spec)
+    return spec
+
+
 def load_model(spec: str | LanguageModel, **options: Any) -> LanguageModel:
     """The model that `spec` names; `options` go to the backend's constructor (e.g. dtype=)."""
     if isinstance(spec, LanguageModel):
         return spec
-    if not isinstance(spec, str) or not spec.strip():
-        raise ValueError(f"model spec must be a non-empty string or a LanguageModel, got {spec!r}")
-    spec = spec.strip()
+    spec = check_model_spec(spec)  # a precise error for a bad spec before any weights load
+    remote_options = {k: v for k, v in options.items() if k not in LOCAL_ONLY_OPTIONS}
     if spec.startswith("openai:"):
-        model, sep, url = spec[len("openai:"):].partition("@")
-        if not sep or not model or not url.startswith(("http://", "https://")):
-            raise ValueError(f"bad OpenAI model spec {spec!r}: expected openai:MODEL@http(s)://HOST[:PORT]/v1")
         from thinkahead.models.openai import OpenAIModel
 
-        return OpenAIModel(model, base_url=url, **{k: v for k, v in options.items() if k not in LOCAL_ONLY_OPTIONS})
+        model, url = _openai_parts(spec)
+        return OpenAIModel(model, base_url=url, **remote_options)
     if spec.startswith("sglang:"):
-        name: str | None = None
-        url = spec[len("sglang:"):]
-        if not url.startswith(("http://", "https://")):
-            name, _, url = url.partition("@")
-        if name == "" or not url.startswith(("http://", "https://")) or not url.split("://", 1)[1]:
-            raise ValueError(f"bad SGLang model spec {spec!r}: expected sglang:[NAME@]http(s)://HOST:PORT")
         from thinkahead.models.sglang import SGLangModel
 
-        return SGLangModel(url, name, **{k: v for k, v in options.items() if k not in LOCAL_ONLY_OPTIONS})
-    from thinkahead.model_registry import resolve_model_spec
+        name, url = _sglang_parts(spec)
+        return SGLangModel(url, name, **remote_options)
     from thinkahead.models.local import LocalModel
 
-    resolve_model_spec(spec)  # a precise error for a bad spec before any weights load
     return LocalModel(spec, **options)

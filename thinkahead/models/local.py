@@ -34,7 +34,7 @@ class LocalModel(LanguageModel):
         dtype: "bfloat16", "float32" or "int8" (batch-invariant int8 linears, fastest on CPUs
             without bf16 units).
         drafter: token-level drafter for speculative requests ("suffix", "prompt-lookup", ...,
-            "none"); see `thinkahead.token_spec.presets.DRAFTER_KINDS`.
+            "none"); see `thinkahead.token_spec.names.SINGLE_MODEL_KINDS`.
         max_draft: largest draft per verify round.
         kv_sessions: how many finished generations keep their KV for prefix reuse.
     """
@@ -55,12 +55,11 @@ class LocalModel(LanguageModel):
     ) -> None:
         from thinkahead.token_spec.backends.hf import HFEngine
         from thinkahead.token_spec.prefix_pool import KVPrefixPool
-        from thinkahead.token_spec.presets import DRAFTER_KINDS, build_decoder
+        from thinkahead.token_spec.names import SINGLE_MODEL_KINDS, check_drafter
+        from thinkahead.token_spec.presets import build_decoder
         from thinkahead.token_spec.suffix_cache import SuffixCache
 
-        if drafter not in DRAFTER_KINDS or drafter in ("draft-model", "hybrid"):
-            model_free = [k for k in DRAFTER_KINDS if k not in ("draft-model", "hybrid")]
-            raise ValueError(f"LocalModel drafter must be one of {', '.join(model_free)}, got {drafter!r}")
+        check_drafter(drafter, SINGLE_MODEL_KINDS)
         if (spec is None) == (model is None):
             raise ValueError("LocalModel needs either a model spec or model= (with tokenizer=)")
         if model is not None and tokenizer is None:

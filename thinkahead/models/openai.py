@@ -26,7 +26,7 @@ from thinkahead.models.base import (
     render_plain,
     resolve_tokenizer,
 )
-from thinkahead.models.http import HttpClient, ModelServerError, bearer_headers
+from thinkahead.models.http import DEFAULT_CALL_TIMEOUT_S, HttpClient, ModelServerError, bearer_headers
 
 
 class OpenAIModel(LanguageModel):
@@ -36,8 +36,10 @@ class OpenAIModel(LanguageModel):
         model: the served model's name (the `model` field of every request).
         base_url: the API root, ending in `/v1` for the usual servers.
         api_key: sent as `Authorization: Bearer ...`; None reads `OPENAI_API_KEY`; "" sends none.
-        timeout_s, max_retries, backoff_s, max_connections: passed to `HttpClient` (the timeout
-            is per attempt).
+        timeout_s, max_retries, backoff_s, max_connections, call_timeout_s: passed to `HttpClient`
+            (`timeout_s` is per attempt; `call_timeout_s` bounds a request's attempts and backoff
+            sleeps together; a completion is resent only when it cannot have reached the server
+            or the server asked for it, see `thinkahead.models.http`).
         tokenizer: an optional Hugging Face tokenizer used by `render` (its chat template) and
             `count_tokens`; without it prompts are rendered as plain "role: content" blocks and
             tokens are estimated.
@@ -56,6 +58,7 @@ class OpenAIModel(LanguageModel):
         backoff_s: float = 0.5,
         max_connections: int = 64,
         extra_body: Mapping[str, Any] | None = None,
+        call_timeout_s: float | None = DEFAULT_CALL_TIMEOUT_S,
     ) -> None:
         if not isinstance(model, str) or not model:
             raise ValueError(f"model must be a non-empty string, got {model!r}")
@@ -70,6 +73,7 @@ class OpenAIModel(LanguageModel):
             backoff_s=backoff_s,
             max_connections=max_connections,
             headers=bearer_headers(api_key, "OPENAI_API_KEY"),
+            call_timeout_s=call_timeout_s,
         )
 
     def __repr__(self) -> str:

@@ -17,7 +17,8 @@ because it carries what the orchestrator needs and the OpenAI surface hides:
   server's own `POST /tokenize` for the ids, which is what `/generate` would compute from the text.
 
 Written against SGLang 0.5.23 (request and reply shapes: see `tests/fake_sglang.py`). Transport,
-pooling, retries with backoff and errors come from `thinkahead.models.http.HttpClient`.
+pooling, retries with backoff (only of what is safe to resend), deadlines and errors come from
+`thinkahead.models.http.HttpClient`.
 `GenerationRequest.speculative` cannot be honoured per request (speculation is a server setting);
 `request_id` is not sent (SGLang requires rids unique among live requests, which a retried call
 would break); `session_id` is not sent either: SGLang's sessions must be opened first
@@ -37,7 +38,7 @@ from thinkahead.models.base import (
     Completion, GenerationRequest, LanguageModel, TokenScore, encode_prompt, prompt_text, render_chat, render_plain,
     resolve_tokenizer,
 )
-from thinkahead.models.http import HttpClient, ModelServerError, bearer_headers
+from thinkahead.models.http import DEFAULT_CALL_TIMEOUT_S, HttpClient, ModelServerError, bearer_headers
 
 FINISH_TYPES = ("stop", "length")
 
@@ -54,8 +55,11 @@ class SGLangModel(LanguageModel):
             .gguf file). It renders chat messages with the model's template, counts tokens, and
             encodes prompts here. Without one, messages are rendered as plain "role: content"
             blocks: pass the served model's tokenizer for chat models.
-        timeout_s, max_retries, backoff_s, max_connections: passed to `HttpClient` (the timeout
-            is per attempt, between bytes; long generations stream bytes only with `stream`).
+        timeout_s, max_retries, backoff_s, max_connections, call_timeout_s: passed to
+            `HttpClient` (`timeout_s` is per attempt, between bytes; long generations stream bytes
+            only with `stream`; `call_timeout_s` bounds a request's attempts and backoff sleeps,
+            the whole stream included). `/generate` is resent only when it cannot have reached
+            the server or the server asked for it; `/tokenize` is resent like a GET.
         api_key: sent as `Authorization: Bearer ...` (SGLang's `--api-key`); None reads
             `SGLANG_API_KEY`; "" sends none.
         stream: generate through a streamed `/generate` (records time to first token).
@@ -81,6 +85,7 @@ class SGLangModel(LanguageModel):
         incremental_stream: bool = False,
         sampling_extra: Mapping[str, Any] | None = None,
         extra_body: Mapping[str, Any] | None = None,
+        call_timeout_s: float | None = DEFAULT_CALL_TIMEOUT_S,
     ) -> None:
         if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
             raise ValueError(f"base_url must be an http:// or https:// URL, got {base_url!r}")
@@ -96,6 +101,7 @@ class SGLangModel(LanguageModel):
             backoff_s=backoff_s,
             max_connections=max_connections,
             headers=bearer_headers(api_key, "SGLANG_API_KEY"),
+            call_timeout_s=call_timeout_s,
         )
         self.name = model or f"sglang@{urlparse(self.client.base_url).netloc}"
         self.stream = bool(stream)
@@ -242,7 +248,7 @@ class SGLangModel(LanguageModel):
         if self.tokenizer is not None:
             ids = self.encode(prompt)
         else:
-            reply = await self.client.post_json("/tokenize", {"prompt": prompt})
+            reply = await self.client.post_json("/tokenize", {"prompt": prompt}, idempotent=True)
             ids = reply.get("tokens")
             if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
                 raise ModelServerError(f"/tokenize reply has no token list: {reply!r}"[:500])
