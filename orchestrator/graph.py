@@ -6,7 +6,8 @@ predecessors are done, so independent nodes run in parallel. Node kinds:
 
 - `think`: a reasoning segment run by a step policy (small model drafts, large model judges);
 - `generate`: one model call with a prompt template filled from the state;
-- `tool`: a Python callable (sync or async) of the state;
+- `tool`: a Python callable (sync or async) of the state; a sync one runs in a thread of its own,
+  off the event loop, so a slow tool never stalls the other runs;
 - `fork` / `join`: an explicit parallel split and its merge (`join` waits for all branches, or
   with `first=True` for the first one, and the losing branches are cancelled);
 - `loop`: a bounded cycle. Its `body` successor starts the body; edges from the body back to the
@@ -157,7 +158,11 @@ class StepGraph:
     def add_tool(
         self, name: str, fn: Callable[[dict[str, Any]], Any], *, inputs: Iterable[str] = (), output: str | None = None
     ) -> StepGraph:
-        """A Python callable of the state (sync or async); its return value is written to `output`."""
+        """A Python callable of the state (sync or async); its return value is written to `output`.
+
+        A synchronous callable runs in a worker thread (off the event loop, on a copy of the state),
+        so it must not need the running loop; an async one runs on the loop.
+        """
         if not callable(fn):
             raise GraphError(f"node {name!r}: tool must be callable, got {type(fn).__name__}")
         return self._add(Node(name, "tool", output or name, tuple(inputs), {"fn": fn}))

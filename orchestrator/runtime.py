@@ -6,13 +6,17 @@ done (independent nodes overlap), loops run their body while their condition hol
 first-finish join cancels the losing branches. `map(graph, items)` runs a batch with a
 concurrency limit, writes each finished run to a `ResultStore` at once and skips runs the store
 already holds. A failing node ends its run with status "error"; it never takes the batch down.
+Synchronous tool nodes run in a thread of their own (`call_in_thread`), never on the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import inspect
 import itertools
+import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -31,6 +35,55 @@ from thinkahead.step_spec.segment import SegmentConfig
 from thinkahead.verifiers.checkers import extract_final_answer
 
 _run_ids = itertools.count()
+log = logging.getLogger(__name__)
+
+
+class ToolTimeoutError(RuntimeError):
+    """A synchronous callable run by `call_in_thread` did not finish within its time limit."""
+
+
+async def call_in_thread(fn: Callable[..., Any], *args: Any, timeout_s: float | None = None, name: str = "tool") -> Any:
+    """`fn(*args)` in its own daemon thread, awaited without blocking the event loop.
+
+    A thread cannot be killed: past `timeout_s` (None: no limit) the caller gets `ToolTimeoutError`
+    and the thread is left to finish in the background, its result dropped. A daemon thread of its
+    own, not the loop's default executor: a hung call neither starves a shared pool nor holds up
+    `asyncio.run`'s shutdown or the interpreter's exit. It frees the loop only while `fn` runs
+    Python code or waits; one long C operation (a huge big-int power) holds the GIL, so tools
+    bound their own work (see `thinkahead.workflows.tools`).
+    """
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future = loop.create_future()
+    context = contextvars.copy_context()
+
+    def settle(value: Any, error: BaseException | None) -> None:
+        if future.done():  # the caller timed out or was cancelled
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(value)
+
+    def target() -> None:
+        value, error = None, None
+        try:
+            value = context.run(fn, *args)
+        except Exception as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+            error = exc
+        except BaseException as exc:  # noqa: BLE001 - SystemExit & co. must not kill the thread silently
+            error = RuntimeError(f"{name} raised {type(exc).__name__}: {exc}")
+        try:
+            loop.call_soon_threadsafe(settle, value, error)
+        except RuntimeError:  # the loop closed while the call ran
+            log.debug("%s finished after its event loop closed; result dropped", name)
+
+    threading.Thread(target=target, name=f"thinkahead-{name}", daemon=True).start()
+    try:
+        return await asyncio.wait_for(future, timeout_s)
+    except TimeoutError:
+        log.warning("%s did not finish within %g s; its thread keeps running in the background (threads cannot "
+                    "be killed) and its result will be dropped", name, timeout_s)
+        raise ToolTimeoutError(f"{name} did not finish within {timeout_s:g} s") from None
 
 
 @dataclass
@@ -228,7 +281,10 @@ class Runtime:
         if kind == "tool":
             fn = node.spec["fn"]
             view = dict(run.state)
-            value = fn(view)
+            if inspect.iscoroutinefunction(fn):
+                value = fn(view)
+            else:  # a synchronous tool runs in a thread: it never stalls the other runs on this loop
+                value = await call_in_thread(fn, view, name=f"tool node {node.name!r}")
             if inspect.isawaitable(value):
                 value = await value
             run.state[node.output] = value
@@ -330,6 +386,8 @@ class Runtime:
             built = shared(run_id)
             return built.compile() if isinstance(built, StepGraph) else built
         self.batch_meter = Meter(self.batch_meter.budget, scope="batch")  # budgets count per batch
+        if store is not None:
+            store.open_for_append()  # refuses a file that is not a store, or one of another configuration
         skip = store.done_ids() if store is not None else set()
         gate = asyncio.Semaphore(self.concurrency)
         results: list[RunResult] = []

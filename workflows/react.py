@@ -2,7 +2,9 @@
 
 The model continues a transcript in the ReAct format; generation stops before "Observation:",
 the named tool runs on the argument, and its result is appended. The loop ends at
-"Final Answer:" or after `max_turns` tool calls.
+"Final Answer:" or after `max_turns` tool calls. Each tool call runs off the event loop with a
+time limit (`tool_timeout_s`, see `thinkahead.workflows.tools.call_tool`): a slow tool never stalls
+the other runs, and one past the limit is an "error: ..." observation.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import re
 from collections.abc import Callable
 
 from thinkahead.orchestrator.graph import END, START, GraphError, StepGraph
-from thinkahead.workflows.tools import DEFAULT_TOOLS
+from thinkahead.workflows.tools import DEFAULT_TOOLS, TOOL_TIMEOUT_S, call_tool, check_timeout
 
 INSTRUCTIONS = (
     "Answer the question. You can call tools. Use exactly this format:\n"
@@ -37,8 +39,15 @@ def parse_turn(text: str) -> tuple[str, str] | str | None:
 
 
 def react(*, tools: dict[str, Callable[[str], str]] | None = None, max_turns: int = 6, tier: str = "large",
-          max_tokens: int = 160) -> StepGraph:
-    """question -> (act -> observe) until a final answer, at most `max_turns` times -> answer."""
+          max_tokens: int = 160, tool_timeout_s: float = TOOL_TIMEOUT_S) -> StepGraph:
+    """question -> (act -> observe) until a final answer, at most `max_turns` times -> answer.
+
+    `tool_timeout_s`: the seconds one tool call may run before its observation is a timeout error.
+    """
+    try:
+        timeout_s = check_timeout(tool_timeout_s)
+    except ValueError as exc:
+        raise GraphError(str(exc)) from None
     tools = dict(DEFAULT_TOOLS if tools is None else tools)
     if not tools:
         raise GraphError("react needs at least one tool")
@@ -53,7 +62,7 @@ def react(*, tools: dict[str, Callable[[str], str]] | None = None, max_turns: in
         transcript = (state.get("observe") or {}).get("transcript", "")
         return [{"role": "user", "content": user}, {"role": "assistant", "content": transcript + "Thought:"}]
 
-    def observe(state: dict) -> dict:
+    async def observe(state: dict) -> dict:
         previous = state.get("observe") or {"transcript": "", "final": None, "calls": 0}
         # the model's text exactly as generated, so the next prompt extends this one token for token
         act = state["act"]
@@ -67,10 +76,7 @@ def react(*, tools: dict[str, Callable[[str], str]] | None = None, max_turns: in
         elif parsed[0] not in tools:
             observation = f"error: unknown tool {parsed[0]!r}; tools: {', '.join(tools)}"
         else:
-            try:
-                observation = str(tools[parsed[0]](parsed[1]))
-            except Exception as exc:  # noqa: BLE001 - a tool failure is an observation for the agent
-                observation = f"error: {type(exc).__name__}: {exc}"
+            observation = await call_tool(parsed[0], tools[parsed[0]], parsed[1], timeout_s=timeout_s)
         transcript += f"Observation: {observation}\n"
         return {"transcript": transcript, "final": None, "calls": previous["calls"] + 1}
 

@@ -17,6 +17,12 @@ and mpmath, so they are imported straight from the installed package or its whee
   and every ground-truth call result appears among the answer's results (BFCL's response check).
   Unlike BFCL it checks once at the end, not after each user turn, since the turns are one request.
 
+BFCL's math functions compute whatever they are asked (`power` of a 65-digit base, `square_root`
+or `logarithm` to a precision of 10**8 digits: minutes to hours, mostly in C code that holds the GIL), so
+`BfclEnvironment.call` bounds their sizes first with the calculator's checks
+(`thinkahead.workflows.tools`); a call over a bound is an "Error during execution: ..." result. In
+a react run each tool call also runs off the event loop under react's `tool_timeout_s`.
+
 Categories: 'multi_turn_base' and 'multi_turn_long_context'. 'multi_turn_miss_func' and
 'multi_turn_miss_param' are not offered: they grade whether the model declines a turn it cannot do
 and asks for what is missing, which needs the real turn-by-turn conversation.
@@ -29,10 +35,12 @@ import copy
 import inspect
 import json
 import re
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from thinkahead.batch_input import Task
+from thinkahead.workflows.tools import check_digits_argument, check_power
 
 __all__ = ["CATEGORIES", "CLASSES", "BfclChecker", "BfclEnvironment", "bfcl_tasks", "ground_truth_transcript",
            "parse_arguments", "parse_calls"]
@@ -52,6 +60,9 @@ CLASSES: dict[str, tuple[str, str]] = {
 }
 """BFCL multi-turn class -> (module in func_source_code, function-doc file)."""
 _STATELESS = {"MathAPI"}
+_MATH = "MathAPI"
+_MATH_LOCK = threading.Lock()
+"""MathAPI sets process-wide state (mpmath's precision) before computing: its calls run one at a time."""
 
 PROMPT = (
     "You operate tools on behalf of a user. Carry out every request below, in order, by calling the "
@@ -212,9 +223,14 @@ class BfclEnvironment:
         """Run one call (argument text as `parse_arguments` reads it); errors come back as text, as in BFCL."""
         if name not in self.methods:
             return f"Error during execution: unknown function {name!r}"
+        method = self.methods[name]
         try:
             args, kwargs = parse_arguments(arguments)
-            return _result_text(self.methods[name](*args, **kwargs))
+            if type(getattr(method, "__self__", None)).__name__ != _MATH:
+                return _result_text(method(*args, **kwargs))
+            _check_math_call(name, method, args, kwargs)
+            with _MATH_LOCK:
+                return _result_text(method(*args, **kwargs))
         except Exception as exc:  # noqa: BLE001 - a failing call is a result the agent sees, as in BFCL
             return f"Error during execution: {exc}"
 
@@ -232,6 +248,20 @@ class BfclEnvironment:
             tool.__doc__ = self.docs.get(name, name)
             tools[name] = tool
         return tools
+
+
+def _check_math_call(name: str, method: Callable[..., Any], args: list[Any], kwargs: dict[str, Any]) -> None:
+    """ValueError when a MathAPI call would compute an oversized result (checked before it runs)."""
+    try:
+        bound = inspect.signature(method).bind(*args, **kwargs).arguments
+    except TypeError:
+        return  # the call itself fails, with BFCL's own message
+    if name == "power":
+        check_power(bound.get("base"), bound.get("exponent"))
+    elif name in ("square_root", "logarithm"):
+        check_digits_argument(bound.get("precision"), "precision")
+    elif name == "round_number":
+        check_digits_argument(bound.get("decimal_places"), "decimal_places")  # round(int, -n) computes 10**n
 
 
 _DOC_CACHE: dict[str, list[dict[str, Any]]] = {}
