@@ -42,7 +42,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from offline_data import gsm8k, humaneval  # noqa: E402
 
-from thinkahead.model_registry import DTYPES, load_causal_lm  # noqa: E402
+from thinkahead.models.weights import DTYPES, load_causal_lm  # noqa: E402
 from thinkahead.token_spec.backends.hf import HFEngine  # noqa: E402
 from thinkahead.token_spec.decoder import SpeculativeDecoder  # noqa: E402
 from thinkahead.token_spec.prefix_pool import KVPrefixPool  # noqa: E402

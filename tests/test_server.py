@@ -14,8 +14,8 @@ import uvicorn
 from click.testing import CliRunner
 
 from thinkahead.models import ScriptedModel
-from thinkahead.serve_cli import serve as serve_command
-from thinkahead.server import ChatServer, create_app
+from thinkahead.cli.serve import serve as serve_command
+from thinkahead.serving.openai_server import ChatServer, create_app
 
 JUDGE_YES = [{"9": -0.05}]
 STEPS = ["Multiply.\n\n", "So \\boxed{391}."]

@@ -469,6 +469,8 @@ def test_server_dies_mid_batch_and_comes_back(tmp_path: Path, pair: tuple[FakeSG
         return small_responder(prompt, body)
 
     small.responder = responder
+    from thinkahead.orchestrator.store import ResultStore
+
     store = tmp_path / "runs.jsonl"
     results = in_one_loop(orchestrator(small, large, concurrency=1), "map",
                           [f"What is 17 * 23? (#{i})" for i in range(6)], store=store)
@@ -536,7 +538,7 @@ def alive(pid: int) -> bool:
 
 
 def test_command_lines_per_algorithm() -> None:
-    from thinkahead.launch import SPECULATIVE_FLAGS, plan_servers, server_command
+    from thinkahead.serving.sglang_launcher import SPECULATIVE_FLAGS, plan_servers, server_command
 
     small, large = plan_servers("Qwen/Qwen2.5-1.5B-Instruct", "Qwen/QwQ-32B", speculative=("NGRAM", "EAGLE3"),
                                 draft_models=(None, "org/eagle3-qwq"), tp_sizes=(1, 2),
@@ -572,14 +574,14 @@ def test_command_lines_per_algorithm() -> None:
     ({"tp_sizes": (0, 1)}, "tp_size"),
 ])
 def test_bad_server_plans(kwargs: dict[str, Any], match: str) -> None:
-    from thinkahead.launch import plan_servers
+    from thinkahead.serving.sglang_launcher import plan_servers
 
     with pytest.raises(ValueError, match=match):
         plan_servers("a", "b", **kwargs)
 
 
 def test_suffix_environment_and_fallback() -> None:
-    from thinkahead.launch import SPECULATIVE_FLAGS, ServerConfig, resolve_speculative, server_command, server_env
+    from thinkahead.serving.sglang_launcher import SPECULATIVE_FLAGS, ServerConfig, resolve_speculative, server_command, server_env
 
     cfg = ServerConfig("large", "m", 30001, speculative="SUFFIX", gpus="1", env={"THINKAHEAD_SUFFIX_MAX_DEPTH": "32"})
     env = server_env(cfg, {"SGLANG_PLUGINS": "other", "PATH": "/bin"})
@@ -595,7 +597,7 @@ def test_suffix_environment_and_fallback() -> None:
 
 
 def test_launcher_starts_waits_and_stops_fake_servers(tmp_path: Path) -> None:
-    from thinkahead.launch import Launcher, plan_servers, server_command
+    from thinkahead.serving.sglang_launcher import Launcher, plan_servers, server_command
 
     ports = free_ports(2)
     env = dict(os.environ, FAKE_SGLANG_RECORD_DIR=str(tmp_path), FAKE_SGLANG_STARTUP_S="0.5", FAKE_SGLANG_CHILD="1")
@@ -629,7 +631,7 @@ def test_launcher_starts_waits_and_stops_fake_servers(tmp_path: Path) -> None:
 
 
 def test_launcher_reports_a_server_that_dies_while_loading(tmp_path: Path) -> None:
-    from thinkahead.launch import Launcher, LaunchError, ServerConfig
+    from thinkahead.serving.sglang_launcher import Launcher, LaunchError, ServerConfig
 
     port = free_ports(1)[0]
     runner = Launcher([ServerConfig("small", "fake/small", port)], launcher=(sys.executable, FAKE_SCRIPT),
@@ -640,7 +642,7 @@ def test_launcher_reports_a_server_that_dies_while_loading(tmp_path: Path) -> No
 
 
 def test_launcher_times_out_on_a_server_that_never_gets_healthy(tmp_path: Path) -> None:
-    from thinkahead.launch import Launcher, LaunchError, ServerConfig
+    from thinkahead.serving.sglang_launcher import Launcher, LaunchError, ServerConfig
 
     port = free_ports(1)[0]
     runner = Launcher([ServerConfig("large", "fake/large", port)], launcher=(sys.executable, FAKE_SCRIPT),
@@ -654,7 +656,7 @@ def test_launcher_times_out_on_a_server_that_never_gets_healthy(tmp_path: Path) 
 
 
 def test_launcher_reports_a_missing_launcher(tmp_path: Path) -> None:
-    from thinkahead.launch import Launcher, LaunchError, ServerConfig
+    from thinkahead.serving.sglang_launcher import Launcher, LaunchError, ServerConfig
 
     runner = Launcher([ServerConfig("small", "m", free_ports(1)[0])], launcher=(str(tmp_path / "no-such-python"),),
                       log_dir=tmp_path, echo=lambda s: None)
@@ -665,7 +667,7 @@ def test_launcher_reports_a_missing_launcher(tmp_path: Path) -> None:
 def test_launch_command_prints_urls_and_stops_on_sigterm(tmp_path: Path) -> None:
     ports = free_ports(2)
     env = dict(os.environ, FAKE_SGLANG_RECORD_DIR=str(tmp_path), FAKE_SGLANG_STARTUP_S="0.3")
-    cmd = [sys.executable, "-c", "from thinkahead.launch_cli import launch; launch()",
+    cmd = [sys.executable, "-c", "from thinkahead.cli.launch import launch; launch()",
            "--small", "fake/small", "--large", "fake/large", "--small-port", str(ports[0]),
            "--large-port", str(ports[1]), "--large-spec", "suffix", "--launcher", f"{sys.executable} {FAKE_SCRIPT}",
            "--log-dir", str(tmp_path / "logs"),
@@ -702,7 +704,7 @@ def test_launch_command_prints_urls_and_stops_on_sigterm(tmp_path: Path) -> None
 def test_launch_dry_run_prints_command_lines() -> None:
     from click.testing import CliRunner
 
-    from thinkahead.launch_cli import launch
+    from thinkahead.cli.launch import launch
 
     result = CliRunner().invoke(launch, ["--small", "s", "--large", "l", "--large-spec", "eagle", "--large-draft", "d",
                                          "--large-arg", "--max-running-requests 8", "--python", "/opt/py", "--dry-run"])

@@ -53,7 +53,7 @@ class ModelConfig(BaseModel, extra="forbid"):
     @field_validator("dtype")
     @classmethod
     def _known_dtype(cls, value: str) -> str:
-        from thinkahead.model_registry import DTYPES
+        from thinkahead.models.weights import DTYPES
 
         if value not in DTYPES:
             raise ValueError(f"unknown dtype {value!r}; choose one of {', '.join(DTYPES)}")

@@ -2,7 +2,7 @@
 
 - `load_suite(name) -> Suite`: a named, reproducible benchmark (`SUITES`): tasks, workflow, checker.
 - `load_tasks(source, n, offset, seed)`: tasks of one source (`LOADERS`: gsm8k, math500, humaneval,
-  spider, countdown, game24, bfcl) as `thinkahead.batch_input.Task`.
+  spider, countdown, game24, bfcl) as `thinkahead.evals.tasks.Task`.
 - `get_eval_checker(name)`: the answer checker of a suite or source (`CHECKERS`).
 
 Data access (installed package or a wheel fetched once) is `thinkahead.evals.data`.

@@ -39,7 +39,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from thinkahead.batch_input import Task
+from thinkahead.evals.tasks import Task
 from thinkahead.workflows.tools import check_digits_argument, check_power
 
 __all__ = ["CATEGORIES", "CLASSES", "BfclChecker", "BfclEnvironment", "bfcl_tasks", "ground_truth_transcript",

@@ -1,4 +1,4 @@
-"""Task loaders: benchmark records -> `thinkahead.batch_input.Task` with a stable id, prompt and reference.
+"""Task loaders: benchmark records -> `thinkahead.evals.tasks.Task` with a stable id, prompt and reference.
 
 Every loader has the signature `load(n=None, offset=0, seed=None, **options) -> list[Task]`:
 - data sets (GSM8K, MATH-500, HumanEval, Spider, BFCL) take records `offset .. offset+n` in file
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from importlib import import_module
 from typing import Any, TypeVar
 
-from thinkahead.batch_input import Task
+from thinkahead.evals.tasks import Task
 
 __all__ = ["BOXED", "LOADERS", "Loader", "gsm8k_tasks", "humaneval_tasks", "load_tasks", "math500_tasks",
            "select", "spider_tasks"]

@@ -26,7 +26,7 @@ from fractions import Fraction
 from functools import lru_cache
 from itertools import combinations_with_replacement
 
-from thinkahead.batch_input import Task
+from thinkahead.evals.tasks import Task
 from thinkahead.verifiers.checkers import extract_final_answer
 
 __all__ = ["Puzzle", "PuzzleChecker", "countdown_puzzle", "countdown_tasks", "evaluate", "game24_puzzle",

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from thinkahead.batch_input import Task
+from thinkahead.evals.tasks import Task
 from thinkahead.verifiers.checkers import AnswerChecker
 
 __all__ = ["SUITES", "Suite", "SuiteSpec", "load_suite"]

@@ -5,7 +5,7 @@
 - `sglang:URL` or `sglang:NAME@URL` is an SGLang server's native API (`sglang:http://localhost:30000`,
   `sglang:qwq@http://gpu1:30000`; NAME only labels traces), e.g. one that `thinkahead launch` started;
 - everything else is a local transformers model: a registry name, `hf:ORG/NAME`, `gguf:PATH`, a
-  model directory or a `.gguf` file (see `thinkahead.model_registry.resolve_model_spec`).
+  model directory or a `.gguf` file (see `thinkahead.models.specs.resolve_model_spec`).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def check_model_spec(spec: str) -> str:
     elif spec.startswith("sglang:"):
         _sglang_parts(spec)
     else:
-        from thinkahead.model_registry import resolve_model_spec
+        from thinkahead.models.specs import resolve_model_spec
 
         resolve_model_spec(spec)
     return spec

@@ -65,7 +65,7 @@ class LocalModel(LanguageModel):
         if model is not None and tokenizer is None:
             raise ValueError("LocalModel(model=...) also needs tokenizer=")
         if spec is not None:
-            from thinkahead.model_registry import load_causal_lm
+            from thinkahead.models.weights import load_causal_lm
 
             model, tokenizer = load_causal_lm(spec, dtype)
         self.name = name or spec or getattr(model.config, "name_or_path", "") or "local"

@@ -51,7 +51,7 @@ class SGLangModel(LanguageModel):
             router in front of many servers works the same way.
         model: a display name for traces; default "sglang@HOST:PORT".
         tokenizer: a Hugging Face tokenizer, or a model spec whose tokenizer is loaded
-            (`thinkahead.model_registry` forms: registry name, `hf:ORG/NAME`, a directory, a
+            (`thinkahead.models.registry` forms: registry name, `hf:ORG/NAME`, a directory, a
             .gguf file). It renders chat messages with the model's template, counts tokens, and
             encodes prompts here. Without one, messages are rendered as plain "role: content"
             blocks: pass the served model's tokenizer for chat models.

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from thinkahead.model_registry import DTYPES
+from thinkahead.models.weights import DTYPES
 
 POLICIES = ("large", "small", "specreason", "arbitrage", "reflect", "collect")
 
@@ -72,24 +72,3 @@ def reason(problem, small_spec, large_spec, policy, threshold, score_mode, judge
         click.echo(s.text.rstrip())
     click.echo(f"=== stop: {result.stop_reason}; tokens {result.tokens}; small share {result.small_share:.2f}; "
                f"judge calls {result.judge_calls}; {result.time_s:.1f}s")
-
-
-@click.group()
-def router() -> None:
-    """Arbitrage step routers."""
-
-
-@router.command("train")
-@click.argument("pairs", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option("-o", "--out", type=click.Path(dir_okay=False, path_type=Path), required=True, help="Router JSON to write.")
-@click.option("--margin", type=float, default=1.0, show_default=True, help="Label: large score - small score > margin.")
-@click.option("--threshold", type=float, default=0.5, show_default=True, help="Route to large at this probability.")
-def router_train(pairs: Path, out: Path, margin: float, threshold: float) -> None:
-    """Fit a logistic router on PAIRS (from `thinkahead reason --policy collect`)."""
-    from thinkahead.verifiers.router import train_router
-
-    try:
-        report = train_router(pairs, out, margin=margin, threshold=threshold)
-    except ValueError as exc:
-        raise click.ClickException(str(exc)) from exc
-    click.echo(json.dumps(report, default=str))

@@ -17,8 +17,8 @@ import click
 @click.option("--title", default=None, help="Report title.")
 def compare(columns: tuple[str, ...], out_dir: Path, tasks_path: Path | None, title: str | None) -> None:
     """Put configurations run separately (other flags, other days) side by side over the same tasks."""
-    from thinkahead.batch_input import read_tasks
-    from thinkahead.benchmark import StoredColumn, compare_stores
+    from thinkahead.evals.tasks import read_tasks
+    from thinkahead.evals.compare import StoredColumn, compare_stores
 
     parsed = []
     for column in columns:

@@ -1,4 +1,4 @@
-"""`thinkahead serve`: the OpenAI-compatible endpoint of `thinkahead.server`, run by uvicorn."""
+"""`thinkahead serve`: the OpenAI-compatible endpoint of `thinkahead.serving.openai_server`, run by uvicorn."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import time
 
 import click
 
-from thinkahead.run_cli import POLICIES, build_settings, orchestrator_options, quiet_loading
+from thinkahead.cli.options import POLICIES, build_settings, orchestrator_options, quiet_loading
 
 
 @click.command()
@@ -28,7 +28,7 @@ def serve(host, port, policy, concurrency, log_level, **options) -> None:
     """
     import uvicorn
 
-    from thinkahead.server import create_app
+    from thinkahead.serving.openai_server import create_app
 
     settings = build_settings(**options, policy=policy, concurrency=concurrency)
     if any(not settings[tier]["spec"].startswith("openai:") for tier in ("small", "large")):

@@ -66,7 +66,7 @@ class RowwiseInt8Linear(torch.nn.Module):
 def quantize_int8(model: Any) -> Any:
     """Cast `model` to float32, replace every `nn.Linear` with `RowwiseInt8Linear` and switch to
     batch-invariant attention, in place."""
-    from thinkahead.exact_attention import use_exact_attention
+    from thinkahead.models.exact_attention import use_exact_attention
 
     engines = torch.backends.quantized.supported_engines
     if "fbgemm" not in engines:

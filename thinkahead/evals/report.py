@@ -1,0 +1,73 @@
+"""A bench report: the markdown table over columns of run summaries, and the accuracy-vs-time plot."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Protocol
+
+from thinkahead.orchestrator.summary import BatchSummary, fmt, fmt_interval
+
+log = logging.getLogger(__name__)
+
+
+class Column(Protocol):
+    """A report column: anything with a label (a `BenchConfig`, or a `StoredColumn`)."""
+
+    @property
+    def label(self) -> str: ...
+
+
+def markdown_report(rows: list[tuple[Column, BatchSummary]], settings: dict[str, Any] | None, n_tasks: int,
+                    title: str | None = None) -> str:
+    """The report table; without `settings` (stored columns) the header names each column's store."""
+    if settings is not None:
+        about = (f"{n_tasks} tasks, workflow `{settings.get('workflow')}`, small `{settings['small']['spec']}`, "
+                 f"large `{settings['large']['spec']}` ({settings['large'].get('dtype')}).")
+    else:
+        about = f"{n_tasks} tasks; columns read from run stores: " + ", ".join(
+            f"{c.label} `{getattr(c, 'path', '?')}`" for c, _ in rows) + "."
+    lines = [
+        f"# thinkahead bench{': ' + title if title else ''}", "", about, "",
+        "| config | runs | ok | accuracy | 95% CI | s/run | ms/token | small tok | large tok | small share | accept rate | judge calls | tok/verify |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for config, s in rows:
+        lines.append(
+            f"| {config.label} | {s.runs} | {s.statuses.get('ok', 0)} | {fmt(s.accuracy)} | "
+            f"{fmt_interval(s.accuracy_ci)} | {fmt(s.mean_wall_s, 1)} | {fmt(s.ms_per_token, 0)} | {s.tokens.get('small', 0)} | "
+            f"{s.tokens.get('large', 0)} | {fmt(s.small_share)} | {fmt(s.accept_rate)} | {s.judge_calls} | {fmt(s.accept_length)} |"
+        )
+    lines += ["", "s/run: mean wall time per task; ms/token: wall time per generated token (all models); small share: kept steps written by the small model; accept rate: "
+              "judged small-model drafts kept; tok/verify: tokens per verify step of token-level speculation.", ""]
+    return "\n".join(lines)
+
+
+def plot_pareto(rows: list[tuple[Column, BatchSummary]], path: Path) -> Path | None:
+    """Accuracy (with 95% intervals) against seconds per task; None when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.warning("matplotlib is not installed (pip install 'thinkahead[bench]'); no plot written")
+        return None
+    fig, ax = plt.subplots(figsize=(8.4, 4.4))
+    markers = "osD^vP*Xhp<>"  # with the colour cycle, no two of 12+ points look alike
+    for i, (config, s) in enumerate(rows):
+        if s.accuracy is None or s.mean_wall_s is None:
+            continue
+        lo, hi = s.accuracy_ci
+        ax.errorbar(s.mean_wall_s, s.accuracy, yerr=[[s.accuracy - lo], [hi - s.accuracy]], fmt=markers[i % len(markers)],
+                    capsize=3, label=config.label)
+    if ax.get_legend_handles_labels()[0]:  # a legend beside the plot: labels of nearby points never overlap
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+    ax.set_xlabel("seconds per task")
+    ax.set_ylabel("accuracy")
+    ax.set_title("accuracy vs time")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
