@@ -10,8 +10,9 @@ that piece of the `verifiers` package (DESIGN.md: `AnswerChecker.check(answer, r
   numerically with a relative tolerance when both sides are numbers, symbolically with sympy when
   sympy happens to be installed (it is not a dependency), else by normalised string.
 - `ExactMatchChecker`: string match after optional case folding and punctuation stripping.
-- `CodeChecker`: runs a program plus its tests in a fresh isolated Python subprocess with a
-  timeout (HumanEval style: `humaneval_tests(test, entry_point)`).
+- `CodeChecker`: runs a program, then its tests, in the code sandbox (`verifiers/sandbox.py`:
+  no network, read-only filesystem, resource limits, every process ended, a pass only when the
+  tests ran to their end), with a timeout (HumanEval style: `humaneval_tests(test, entry_point)`).
 
 `get_checker(name)` builds one by name ("math", "exact", "code").
 """
@@ -21,18 +22,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from fractions import Fraction
 from functools import lru_cache
-from pathlib import Path
 from types import ModuleType
 from typing import Any, Protocol, runtime_checkable
 import ast
 import math
-import os
 import re
-import signal
-import subprocess
-import sys
-import tempfile
 import unicodedata
+
+from thinkahead.verifiers.sandbox import DEFAULT_STDERR_CHARS, DEFAULT_TIMEOUT_S, SandboxLimits, run_sandboxed
 
 __all__ = [
     "AnswerChecker",
@@ -648,65 +645,36 @@ def humaneval_tests(test: str, entry_point: str) -> str:
 
 
 class CodeChecker:
-    """Runs `program + "\\n" + tests` in a fresh `python -I` subprocess; passes on exit status 0.
+    """Runs a program, then its tests, in the code sandbox (`thinkahead.verifiers.sandbox`).
 
-    The program may be a markdown answer: a ```python fence is extracted first. On timeout the
-    whole process group is killed and the check fails. This isolates a crash or a hang, not
-    malicious code: run untrusted programs inside a sandbox.
+    The program may be a markdown answer: a ```python fence is extracted first. A run passes only
+    when the tests ran to their end within the timeout (exiting early with status 0 fails). The
+    sandbox has no network, a read-only filesystem but its temp working directory, resource
+    limits (`limits`, default `SandboxLimits()`), and ends every process the program started; its
+    module docstring says what it does not stop.
     """
 
     name = "code"
 
-    def __init__(self, timeout_s: float = 10.0, stderr_chars: int = 2000) -> None:
+    def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S, stderr_chars: int = DEFAULT_STDERR_CHARS,
+                 limits: SandboxLimits | None = None) -> None:
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
             raise TypeError(f"timeout_s must be a number, got {type(timeout_s).__name__}")
         if not math.isfinite(timeout_s) or timeout_s <= 0:
             raise ValueError(f"timeout_s must be a positive finite number of seconds, got {timeout_s}")
+        if limits is not None and not isinstance(limits, SandboxLimits):
+            raise TypeError(f"limits must be a SandboxLimits, got {type(limits).__name__}")
         self.timeout_s = float(timeout_s)
         self.stderr_chars = int(stderr_chars)
+        self.limits = SandboxLimits() if limits is None else limits
 
     def run(self, program: str, tests: str) -> CodeResult:
         """Run the program with its tests and report how it ended."""
-        source = extract_code(_require_text(program, "program")) + "\n" + _require_text(tests, "tests") + "\n"
-        posix = os.name == "posix"
-        with tempfile.TemporaryDirectory(prefix="thinkahead-code-") as tmp:
-            path = Path(tmp) / "solution.py"
-            path.write_text(source, encoding="utf-8")
-            env = {"PATH": os.environ.get("PATH", ""), "HOME": tmp, "TMPDIR": tmp}
-            if "SYSTEMROOT" in os.environ:  # Windows needs it to start Python
-                env["SYSTEMROOT"] = os.environ["SYSTEMROOT"]
-            proc = subprocess.Popen(
-                [sys.executable, "-I", str(path)],
-                cwd=tmp,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE,
-                start_new_session=posix,
-            )
-            timed_out = False
-            try:
-                _, err = proc.communicate(timeout=self.timeout_s)
-            except subprocess.TimeoutExpired:
-                timed_out = True
-                self._kill(proc, posix)
-                try:
-                    _, err = proc.communicate(timeout=5)
-                except subprocess.TimeoutExpired:
-                    err = b""
-        tail = (err or b"").decode("utf-8", errors="replace")[-self.stderr_chars :]
-        returncode = None if timed_out else proc.returncode
-        return CodeResult(passed=returncode == 0, returncode=returncode, timed_out=timed_out, stderr_tail=tail)
-
-    @staticmethod
-    def _kill(proc: subprocess.Popen[bytes], posix: bool) -> None:
-        try:
-            if posix:
-                os.killpg(proc.pid, signal.SIGKILL)  # the program's own children too
-            else:
-                proc.kill()
-        except (ProcessLookupError, PermissionError):
-            pass
+        code = extract_code(_require_text(program, "program"))
+        result = run_sandboxed(code, _require_text(tests, "tests"), timeout_s=self.timeout_s, limits=self.limits,
+                               stderr_chars=self.stderr_chars)
+        return CodeResult(passed=result.passed, returncode=result.returncode, timed_out=result.timed_out,
+                          stderr_tail=result.stderr)
 
     def check(self, program: str, tests: str, /) -> bool:
         """True when the program passes its tests within the timeout."""
