@@ -1,7 +1,7 @@
 """Arbitrage step router: decide, before anything is drafted, who should write the next step.
 
 In the step loop (`step_spec`) a small model writes each reasoning step by default. Arbitrage
-(ANCHORS.md) routes instead of judging: a router predicts *before drafting* whether the large model
+(Arbitrage, docs/step_spec.md) routes instead of judging: a router predicts *before drafting* whether the large model
 would write a meaningfully better step, and only then asks the large model; otherwise the small
 model writes the step and nobody regenerates it. That saves the large model's tokens on the steps
 where it would gain nothing (about 40% of regenerations at a 70% deferral rate, per the paper).

@@ -1,6 +1,6 @@
 """`thinkahead launch`: one SGLang server per model tier, healthy, until Ctrl-C or SIGTERM.
 
-The work is in `thinkahead.serving.sglang_launcher`; this module is the click wiring (registered in cli.py).
+The work is in `thinkahead.serving.sglang_launcher`; this module is the click wiring (registered in thinkahead/cli/__init__.py).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def launch(small_model, large_model, host, small_port, large_port, small_spec, l
 
     Both load at once; when both answer /health the URLs are printed with the model specs to
     give `thinkahead run` (--small sglang:... --large sglang:...). Ctrl-C or SIGTERM stops both
-    servers (their whole process groups). Settings per algorithm: see thinkahead/launch.py.
+    servers (their whole process groups). Settings per algorithm: see thinkahead/serving/sglang_launcher.py.
     Beyond one machine, put SGLang's router (sglang-router) in front of many servers and point
     --large at it (sglang:http://ROUTER:PORT).
     """

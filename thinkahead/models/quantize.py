@@ -14,7 +14,7 @@ the quantization parameters never depend on the batch. Integer accumulation is e
 output is bit-identical whether it is computed alone or among k others.
 
 Attention is the other shape-dependent piece: `quantize_int8` also switches the model to float64
-attention (thinkahead/exact_attention.py), whose rows round to the same float32 values however
+attention (thinkahead/models/exact_attention.py), whose rows round to the same float32 values however
 many tokens share the forward.
 
 Numerics: weights are rounded to int8 per output channel (on top of the 4-bit GGUF quantization the

@@ -1,6 +1,6 @@
 """Start SGLang servers for the two model tiers, wait until they are healthy, stop them cleanly.
 
-`thinkahead launch` (thinkahead/launch_cli.py) is the command; this module builds the command
+`thinkahead launch` (thinkahead/cli/launch.py) is the command; this module builds the command
 lines and owns the processes, so both can be tested without SGLang (a fake server script stands
 in for `python -m sglang.launch_server`).
 

@@ -10,7 +10,7 @@ operations a speculative decoder needs:
 The cache is a config-less `DynamicCache()`: every layer keeps all its keys/values, so it can
 always be cropped, and sliding-window layers (Gemma3) get their window from the attention mask.
 A cache built from the model config would drop old sliding-window states and refuse to crop
-once the window is full. See /work/shared/ENGINE_NOTES.md for the measured pitfalls.
+once the window is full. See docs/token_spec.md for the measured pitfalls.
 """
 
 from __future__ import annotations
