@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from typing import Hashable, Protocol, Sequence, runtime_checkable
 
 import torch
-
 from thinkahead.token_spec.draft import Draft
+from thinkahead.token_spec.names import common_prefix_len
 from thinkahead.token_spec.suffix_cache import SuffixCache, prompt_extension
 from thinkahead.token_spec.verify import SamplingParams, children_of, target_probs
 
@@ -578,12 +578,3 @@ def merge_drafts(
         match_len=match_len,
         source=source,
     )
-
-
-def common_prefix_len(a: Sequence[int], b: Sequence[int], limit: int | None = None) -> int:
-    """How many leading tokens `a` and `b` share (at most `limit`)."""
-    n = min(len(a), len(b)) if limit is None else min(len(a), len(b), limit)
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i

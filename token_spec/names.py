@@ -1,9 +1,12 @@
-"""The drafter names, in one torch-free place: configs, `--help` and the server list them without loading torch.
+"""Torch-free pieces of the token core: drafter names (configs, `--help` and the server list them
+without loading torch) and token-sequence helpers that HTTP clients share with the decoder.
 
-`thinkahead.token_spec.presets` says what each name builds.
+`thinkahead.token_spec.presets` says what each drafter name builds.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 MODEL_FREE_KINDS = ("suffix", "suffix-tree", "prompt-lookup", "prompt-lookup-recent", "combined")
 MODEL_DRAFT_KINDS = ("draft-model", "hybrid")  # these need a second (draft) model
@@ -16,3 +19,12 @@ def check_drafter(kind: str, allowed: tuple[str, ...] = DRAFTER_KINDS) -> str:
     if kind not in allowed:
         raise ValueError(f"unknown drafter {kind!r}; expected one of {', '.join(allowed)}")
     return kind
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int], limit: int | None = None) -> int:
+    """How many leading tokens `a` and `b` share (at most `limit`)."""
+    n = min(len(a), len(b)) if limit is None else min(len(a), len(b), limit)
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

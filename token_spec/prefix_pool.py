@@ -13,7 +13,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from thinkahead.token_spec.drafters import common_prefix_len
+from thinkahead.token_spec.names import common_prefix_len
 
 
 @dataclass(slots=True)
