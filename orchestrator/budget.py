@@ -24,8 +24,8 @@ from pydantic import BaseModel, Field
 
 from thinkahead.models.base import CallScope, Completion, GenerationRequest, LanguageModel, model_call
 from thinkahead.models.http import ModelServerError
+from thinkahead.token_spec.stats import SpecStats
 
-SPEC_KEYS = ("spec_verify_ct", "spec_num_proposed_drafts", "spec_num_correct_drafts")
 _DEADLINE_SLACK_S = 0.01  # a call that fails this close to a wall-time deadline was cut by it
 _GRACE_S = 0.25  # the backend ends a call at its deadline; MeteredModel cancels it this much later
 
@@ -66,7 +66,7 @@ class Meter:
     failed_calls: int = 0  # calls that raised
     attempts: int = 0  # requests tried for all calls (returned, failed or cancelled), resends included
     retries: int = 0  # of those, resends
-    spec: dict[str, float] = field(default_factory=dict)
+    spec: SpecStats = field(default_factory=SpecStats)  # token-level speculation of every call, summed
 
     @property
     def total_tokens(self) -> int:
@@ -118,9 +118,7 @@ class Meter:
                 meter.tokens[tier] = meter.tokens.get(tier, 0) + completion.completion_tokens
                 meter.prompt_tokens += completion.prompt_tokens
                 meter.cached_tokens += completion.cached_tokens
-                for key in SPEC_KEYS:
-                    if key in completion.spec:
-                        meter.spec[key] = meter.spec.get(key, 0) + completion.spec[key]
+                meter.spec += completion.spec
 
     def record_unfinished_call(self, attempts: int, retries: int, failed: bool) -> None:
         """A call that raised (`failed`) or was cancelled: the requests it sent still count."""
@@ -137,8 +135,6 @@ class Meter:
 
     def snapshot(self) -> dict[str, Any]:
         """The cost so far as plain data (a run result's `cost`)."""
-        verify = self.spec.get("spec_verify_ct", 0)
-        accepted = self.spec.get("spec_num_correct_drafts", 0)
         return {
             "tokens": dict(self.tokens),
             "total_tokens": self.total_tokens,
@@ -149,9 +145,8 @@ class Meter:
             "failed_calls": self.failed_calls,
             "attempts": self.attempts,
             "retries": self.retries,
-            "spec": dict(self.spec),
-            # tokens per verify step, SGLang's spec_accept_length: accepted drafts + the bonus token
-            "accept_length": round((accepted + verify) / verify, 3) if verify else None,
+            "spec": self.spec.counters(),
+            "accept_length": round(self.spec.spec_accept_length, 3) if self.spec.speculated else None,
             "wall_s": round(time.perf_counter() - self.started, 4),
         }
 

@@ -27,13 +27,15 @@ from typing import Any
 
 import networkx as nx
 
+from thinkahead.models.errors import ThinkaheadError
+
 START = "__start__"
 END = "__end__"
 NODE_KINDS = ("think", "generate", "tool", "fork", "join", "loop")
 TIERS = ("small", "large")
 
 
-class GraphError(ValueError):
+class GraphError(ThinkaheadError, ValueError):
     """The graph is not valid; the message names the node or edge at fault."""
 
 

@@ -22,6 +22,8 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from thinkahead.models.errors import ThinkaheadError
+
 log = logging.getLogger(__name__)
 
 HEADER_KEY = "thinkahead_store"
@@ -29,7 +31,7 @@ FORMAT = 1
 TORN_SUFFIX = ".torn"
 
 
-class LogError(ValueError):
+class LogError(ThinkaheadError, ValueError):
     """A log file that cannot be read or written as asked; the message names the file and line."""
 
 

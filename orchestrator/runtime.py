@@ -330,7 +330,7 @@ class Runtime:
         )
         completion = await run.models[spec["tier"]].generate(request)
         run.state[node.output] = completion.text.strip() if spec["strip"] else completion.text
-        return {"model": spec["tier"], "finish_reason": completion.finish_reason, "spec": completion.spec,
+        return {"model": spec["tier"], "finish_reason": completion.finish_reason, "spec": completion.spec.spec_dict(),
                 "model_time_s": round(completion.time_s, 6)}
 
     async def _think(self, run: _Run, node: Node) -> dict[str, Any]:
@@ -350,7 +350,7 @@ class Runtime:
             if hasattr(item, "author"):
                 run.tracer.emit("step", node.name, index=index, author=item.author, verdict=item.verdict,
                                 score=item.score, tokens=dict(item.tokens), time_s=round(item.time_s, 6),
-                                judge_calls=item.judge_calls, kind=item.kind, text=item.text, spec=item.spec)
+                                judge_calls=item.judge_calls, kind=item.kind, text=item.text, spec=item.spec.spec_dict())
                 index += 1
             else:
                 result = item

@@ -31,7 +31,7 @@ class BatchSummary:
     judged: int = 0  # steps the judge scored (specreason)
     accepted: int = 0  # judged drafts kept
     spec_verify: float = 0.0
-    spec_accepted: float = 0.0
+    spec_tokens: float = 0.0  # tokens the speculating calls produced (accept length x verify steps, per run)
 
     def add(self, result: RunResult) -> None:
         self.runs += 1
@@ -46,8 +46,12 @@ class BatchSummary:
         self.model_calls += cost.get("model_calls", 0)
         self.judge_calls += cost.get("judge_calls", 0)
         spec = cost.get("spec", {})
-        self.spec_verify += spec.get("spec_verify_ct", 0)
-        self.spec_accepted += spec.get("spec_num_correct_drafts", 0)
+        verify = spec.get("spec_verify_ct", 0)
+        self.spec_verify += verify
+        if cost.get("accept_length") is not None:  # SpecStats.spec_accept_length, the one definition
+            self.spec_tokens += cost["accept_length"] * verify
+        else:  # a record without it: accepted drafts plus the bonus token of each verify step
+            self.spec_tokens += spec.get("spec_num_correct_drafts", 0) + verify
         for event in result.trace:
             if event["kind"] == "step":
                 self.add_step(event["data"])
@@ -83,8 +87,8 @@ class BatchSummary:
 
     @property
     def accept_length(self) -> float | None:
-        """Token-level: tokens per verify step (accepted drafts + the bonus token)."""
-        return (self.spec_accepted + self.spec_verify) / self.spec_verify if self.spec_verify else None
+        """Token-level: tokens per verify step over every run (`SpecStats.spec_accept_length`, weighted by verify steps)."""
+        return self.spec_tokens / self.spec_verify if self.spec_verify else None
 
     @property
     def total_tokens(self) -> int:

@@ -1,5 +1,8 @@
 """The step loop: reason about one problem step by step under a policy, until an answer or a budget.
 
+Each run starts its own stepper from the shared policy spec (`policy.start(ctx)`, once per run) and
+closes it when the run ends, so one policy object serves any number of concurrent runs.
+
 Stops when a step holds a final answer (`\\boxed{}`, "Answer:"), the model ends its reply or its
 thinking, a step repeats an earlier one, or a budget runs out (steps, generated tokens, large-model
 calls). When the reasoning stops without an answer, the large model is asked for one directly.
@@ -14,9 +17,9 @@ from typing import Any, AsyncIterator
 from pydantic import BaseModel, Field
 
 from thinkahead.models.base import GenerationRequest, LanguageModel
-from thinkahead.step_spec.policies import StepPolicy
+from thinkahead.step_spec.base import PolicyRun, StepPolicy
 from thinkahead.step_spec.segment import SegmentConfig, has_final_answer, is_repeated
-from thinkahead.step_spec.state import StepContext, StepOutcome
+from thinkahead.step_spec.state import TIERS, StepContext, StepOutcome
 
 FORCE_ANSWER = "\n\nTherefore, the final answer is \\boxed{"
 
@@ -52,6 +55,7 @@ class ReasoningResult:
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
+        out["steps"] = [s.to_dict() for s in self.steps]  # each step's speculation stats as their dict
         out["small_share"] = self.small_share
         return out
 
@@ -98,22 +102,26 @@ class StepLoop:
         ctx = StepContext(problem, self.small, self.large, self.segment, self.system, speculative=self.speculative,
                           temperature=self.temperature, seed=self.seed, session_id=self.session_id)
         stop = None
-        while stop is None:
-            stop = self._budget_stop(ctx)
-            if stop is not None:
-                break
-            step = await self.policy.next_step(ctx)
-            previous = [s.text for s in ctx.steps]
-            ctx.steps.append(step)
-            yield step
-            if has_final_answer(step.text):
-                stop = "answer"
-            elif step.ends_response:
-                stop = "end"
-            elif is_repeated(step.text, previous):
-                stop = "repetition"
-            elif step.kind == "empty" and len(ctx.steps) > 1 and ctx.steps[-2].kind == "empty":
-                stop = "end"
+        stepper = start_run(self.policy, ctx)
+        try:
+            while stop is None:
+                stop = self._budget_stop(ctx)
+                if stop is not None:
+                    break
+                step = await stepper.next_step(ctx)
+                previous = [s.text for s in ctx.steps]
+                ctx.steps.append(step)
+                yield step
+                if has_final_answer(step.text):
+                    stop = "answer"
+                elif step.ends_response:
+                    stop = "end"
+                elif is_repeated(step.text, previous):
+                    stop = "repetition"
+                elif step.kind == "empty" and len(ctx.steps) > 1 and ctx.steps[-2].kind == "empty":
+                    stop = "end"
+        finally:
+            await stepper.close()  # e.g. a lookahead guess the run will not use
         if not has_final_answer(ctx.reasoning):
             final = await self._force_answer(ctx)
             ctx.steps.append(final)
@@ -150,7 +158,7 @@ class StepLoop:
         return out
 
     def _result(self, ctx: StepContext, stop: str | None, elapsed: float) -> ReasoningResult:
-        tokens = {"small": 0, "large": 0}
+        tokens = dict.fromkeys(TIERS, 0)
         for s in ctx.steps:
             for tier, n in s.tokens.items():
                 tokens[tier] = tokens.get(tier, 0) + n
@@ -166,6 +174,28 @@ class StepLoop:
             large_calls=_large_calls(ctx.steps),
             time_s=elapsed,
         )
+
+
+def start_run(policy: StepPolicy | Any, ctx: StepContext) -> PolicyRun:
+    """The run's own stepper: `policy.start(ctx)`; an object with only `next_step` (a policy written
+    before `start` existed) steps as it is and must keep no per-run state."""
+    start = getattr(policy, "start", None)
+    if start is not None:
+        return start(ctx)
+    if not hasattr(policy, "next_step"):
+        raise ValueError(f"a step policy needs start(ctx) (or next_step(ctx)), got {type(policy).__name__}")
+    return _Legacy(policy)
+
+
+@dataclass(slots=True)
+class _Legacy:
+    policy: Any
+
+    async def next_step(self, ctx: StepContext) -> StepOutcome:
+        return await self.policy.next_step(ctx)
+
+    async def close(self) -> None:
+        return None
 
 
 def _large_calls(steps: list[StepOutcome]) -> int:

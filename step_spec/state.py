@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
 from thinkahead.models.base import LanguageModel
 from thinkahead.step_spec.segment import SegmentConfig
+from thinkahead.token_spec.stats import SpecStats
 
-TIERS = ("small", "large")
+Tier = Literal["small", "large"]  # who writes a step: the drafting model or the judging one
+TIERS: tuple[Tier, ...] = get_args(Tier)
 
 
 @dataclass(slots=True)
@@ -21,6 +23,7 @@ class StepOutcome:
     large model put its own token where the draft first failed and the small model drafted on), "forced" (the first steps
     go to the large model), "routed" (a router's choice), "reflection" (handed over on a cue),
     "collected" (router training: both wrote, the better one kept), "final" (the forced final answer).
+    `lookahead_hit`: the step's draft is the guess the small model wrote while the previous step was judged.
     """
 
     text: str
@@ -28,16 +31,19 @@ class StepOutcome:
     verdict: str
     kind: str = "step"
     score: float | None = None
-    tokens: dict[str, int] = field(default_factory=lambda: {"small": 0, "large": 0})
+    tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
     time_s: float = 0.0
     judge_calls: int = 0
     discarded: str | None = None  # the draft that was thrown away, if any
     route_p: float | None = None  # router's probability that the large model is better
     ends_response: bool = False  # the model ended its answer (end-of-turn token or </think>)
-    spec: dict[str, float] = field(default_factory=dict)  # token-level speculation, summed
+    spec: SpecStats = field(default_factory=SpecStats)  # token-level speculation of the kept generation
+    lookahead_hit: bool = False
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        out["spec"] = self.spec.spec_dict()
+        return out
 
 
 @dataclass
@@ -54,6 +60,8 @@ class StepContext:
     temperature: float = 0.0
     seed: int | None = None
     session_id: str | None = None  # each step's prompt extends the last: one agent session per chain
+    # per-run steppers of policies stepped by hand (`policy.next_step(ctx)` without `start`), by policy
+    policy_runs: dict[Any, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def index(self) -> int:
@@ -65,8 +73,7 @@ class StepContext:
         return "".join(s.text for s in self.steps)
 
     def model(self, tier: str) -> LanguageModel:
-        if tier not in TIERS:
-            raise ValueError(f"tier must be 'small' or 'large', got {tier!r}")
+        check_tier(tier)
         return self.small if tier == "small" else self.large
 
     def messages(self) -> list[dict[str, str]]:
@@ -76,3 +83,10 @@ class StepContext:
         if self.steps:
             out.append({"role": "assistant", "content": self.reasoning})
         return out
+
+
+def check_tier(tier: object) -> Tier:
+    """`tier` if it names a tier; ValueError otherwise."""
+    if tier not in TIERS:
+        raise ValueError(f"tier must be one of {', '.join(TIERS)}, got {tier!r}")
+    return tier  # type: ignore[return-value]

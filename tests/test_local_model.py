@@ -26,7 +26,7 @@ def test_speculative_and_plain_generation_agree(local) -> None:
     spec = asyncio.run(local.generate(GenerationRequest(messages=messages, max_new_tokens=60)))
     assert spec.token_ids == plain.token_ids and spec.text == plain.text
     assert spec.completion_tokens == len(spec.token_ids) > 0
-    assert spec.spec["spec_verify_ct"] < spec.completion_tokens  # drafts were accepted
+    assert spec.spec.spec_verify_ct < spec.completion_tokens  # drafts were accepted
     assert spec.cached_tokens > 0  # the second call reused the first call's prompt KV
     assert spec.model == "smollm2" and spec.finish_reason in ("stop", "length")
 

@@ -49,14 +49,14 @@ def synthetic_target(seed: int):
 
 
 def emitted_pair(first, second, draft: Draft, params, gen) -> tuple[int, int]:
-    """First two tokens a decoder would emit: this round's verdict, then plain sampling if needed."""
+    """First two tokens a decoder would emit: this round's acceptance, then plain sampling if needed."""
     rows = [first] + [second[draft.token_ids[i]] if _depth(draft, i) == 0 else second[0] for i in range(len(draft))]
     # rows for depth>=1 nodes are never used to pick the first two tokens except below
     logits = torch.stack(rows)
     # depth-1 nodes need the logits after (x1, x2); only the second token matters here, so give them
     # the row of their parent token (the distribution of token 2 given token 1)
-    verdict = verify_sampling(logits, draft, params, gen)
-    out = [draft.token_ids[i] for i in verdict.accepted] + [verdict.bonus]
+    acceptance = verify_sampling(logits, draft, params, gen)
+    out = [draft.token_ids[i] for i in acceptance.accepted] + [acceptance.bonus]
     if len(out) == 1:
         p2 = target_probs(second, params)[out[0]]
         out.append(int(torch.multinomial(p2, 1, generator=gen)))
@@ -107,8 +107,8 @@ def test_verify_sampling_matches_target_distribution(kind, params) -> None:
             x2 = int(torch.multinomial(q_second[x1], 1, generator=gen))
             draft = Draft.chain([x1, x2], q=torch.stack([q_first, q_second[x1]]))
             logits = torch.stack([first, second[x1], second[0]])
-            verdict = verify_sampling(logits, draft, params, gen)
-            out = [draft.token_ids[i] for i in verdict.accepted] + [verdict.bonus]
+            acceptance = verify_sampling(logits, draft, params, gen)
+            out = [draft.token_ids[i] for i in acceptance.accepted] + [acceptance.bonus]
             if len(out) == 1:
                 p2 = target_probs(second[out[0]][None], params)[0]
                 out.append(int(torch.multinomial(p2, 1, generator=gen)))

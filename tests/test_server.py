@@ -1,73 +1,28 @@
-"""The OpenAI-compatible server, answered over real HTTP: uvicorn in a thread, httpx as the client."""
+"""The OpenAI-compatible server's workflow models (`thinkahead/<workflow>[:<policy>]`), answered over real
+HTTP: uvicorn in a thread, httpx as the client. Plain chat models, tools, completions and limits have
+their own files (tests/test_server_*.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import re
-import threading
 import time
 
 import httpx
-import pytest
 import uvicorn
 from click.testing import CliRunner
 
-from thinkahead.models import ScriptedModel
+from tests.server_fixtures import JUDGE_YES, chat, scripted_pair, serve, sse_payloads  # noqa: F401 (fixture)
 from thinkahead.cli.serve import serve as serve_command
+from thinkahead.models import ScriptedModel
 from thinkahead.serving.openai_server import ChatServer, create_app
-
-JUDGE_YES = [{"9": -0.05}]
-STEPS = ["Multiply.\n\n", "So \\boxed{391}."]
-
-
-def scripted_pair(delay_s: float = 0.0):
-    small = ScriptedModel(outputs=list(STEPS), name="small-scripted", delay_s=delay_s)
-    large = ScriptedModel(outputs=["\\boxed{391}"], logprobs=JUDGE_YES, name="large-scripted", delay_s=delay_s)
-    return small, large
 
 
 def doubling_small(prompt: str, request) -> str:
     """Two steps for 'What is N * 2?': the answer depends on the request, whatever the interleaving."""
     n = int(re.search(r"What is (\d+) \* 2\?", prompt).group(1))
     return f"So \\boxed{{{2 * n}}}." if "Double it." in prompt else "Double it.\n\n"
-
-
-@pytest.fixture
-def serve():
-    """Starts apps with uvicorn on free ports; returns their base URLs; stops them afterwards."""
-    running = []
-
-    def start(app) -> str:
-        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on"))
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        running.append((server, thread))
-        deadline = time.monotonic() + 10
-        while not server.started:
-            assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.01)
-        port = server.servers[0].sockets[0].getsockname()[1]
-        return f"http://127.0.0.1:{port}"
-
-    yield start
-    for server, thread in running:
-        server.should_exit = True
-        thread.join(timeout=10)
-
-
-def chat(model: str, question: str = "What is 17 * 23?", **extra):
-    return {"model": model, "messages": [{"role": "user", "content": question}], **extra}
-
-
-def sse_payloads(response: httpx.Response):
-    """The `data:` payloads of an event stream as they arrive, JSON-decoded except the final [DONE]."""
-    for line in response.iter_lines():
-        if line.startswith("data: "):
-            data = line[len("data: "):]
-            yield data if data == "[DONE]" else json.loads(data)
-        else:
-            assert line == "", f"unexpected line in the event stream: {line!r}"
 
 
 def test_models_lists_every_workflow_policy_combination_and_health(serve):
@@ -80,35 +35,48 @@ def test_models_lists_every_workflow_policy_combination_and_health(serve):
     ids = [m["id"] for m in models["data"]]
     workflows = ["cot", "react", "refine", "vote", "pipeline"]
     policies = ["large", "small", "specreason", "arbitrage", "reflect"]
-    assert ids == [f"thinkahead/{w}:{p}" for w in workflows for p in policies]
+    assert ids == ["small-scripted", "large-scripted"] + [f"thinkahead/{w}:{p}" for w in workflows for p in policies]
     assert {(m["object"], m["owned_by"]) for m in models["data"]} == {("model", "thinkahead")}
     assert httpx.get(f"{url}/health").json() == {"status": "ok", "small": "small-scripted",
-                                                 "large": "large-scripted", "in_flight": 0}
+                                                 "large": "large-scripted", "in_flight": 0, "waiting": 0}
+    card = httpx.get(f"{url}/v1/models/thinkahead/cot:specreason")
+    assert card.status_code == 200 and card.json()["id"] == "thinkahead/cot:specreason"
+    assert httpx.get(f"{url}/v1/models/small-scripted").json()["id"] == "small-scripted"
+    missing = httpx.get(f"{url}/v1/models/gpt-4o")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
 
 
-def test_a_completion_holds_the_answer_the_reasoning_usage_and_the_steps(serve):
+def test_a_completion_holds_the_final_text_the_reasoning_usage_and_the_steps(serve):
     small, large = scripted_pair()
     url = serve(create_app(small=small, large=large))
-    request = {"model": "thinkahead/cot:specreason", "temperature": 0.2, "messages": [
+    request = {"model": "thinkahead/cot:specreason", "messages": [
         {"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 17 * 23?"}]}
     response = httpx.post(f"{url}/v1/chat/completions", json=request)
     assert response.status_code == 200
     body = response.json()
     assert body["object"] == "chat.completion" and body["model"] == "thinkahead/cot:specreason"
     assert body["id"].startswith("chatcmpl-") and isinstance(body["created"], int)
-    assert body["choices"] == [{"index": 0, "finish_reason": "stop", "message": {
-        "role": "assistant", "content": "391", "reasoning_content": "Multiply.\n\nSo \\boxed{391}."}}]
+    # content: the final text as written; the reasoning before it, separators kept, under both names
+    assert body["choices"] == [{"index": 0, "finish_reason": "stop", "logprobs": None, "message": {
+        "role": "assistant", "content": "So \\boxed{391}.", "reasoning_content": "Multiply.\n\n",
+        "reasoning": "Multiply.\n\n"}}]
     extra = body["thinkahead"]
-    assert (extra["run_id"], extra["workflow"], extra["policy"], extra["status"], extra["error"]) == (
-        body["id"], "cot", "specreason", "ok", None)
+    assert (extra["run_id"], extra["workflow"], extra["policy"], extra["status"], extra["error"], extra["answer"]) == (
+        body["id"], "cot", "specreason", "ok", None, "391")
     assert extra["steps"] == [
-        {"node": "answer", "author": "small", "verdict": "accepted", "score": 9.0, "tokens": {"small": 1, "large": 0}},
-        {"node": "answer", "author": "small", "verdict": "accepted", "score": 9.0, "tokens": {"small": 2, "large": 0}},
+        {"node": "answer", "author": "small", "verdict": "accepted", "score": 9.0, "tokens": {"small": 1, "large": 0},
+         "kind": "step", "text": "Multiply.\n\n"},
+        {"node": "answer", "author": "small", "verdict": "accepted", "score": 9.0, "tokens": {"small": 2, "large": 0},
+         "kind": "final", "text": "So \\boxed{391}."},
     ]
     assert (extra["cost"]["tokens"], extra["cost"]["model_calls"], extra["cost"]["judge_calls"]) == ({"small": 3}, 4, 2)
-    prompt_tokens = extra["cost"]["prompt_tokens"]
-    assert prompt_tokens > 0
-    assert body["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 3, "total_tokens": prompt_tokens + 3}
+    # usage: the request's own prompt (not the sum of every internal call's), every generated token,
+    # of which those outside the content are reasoning
+    own_prompt = large.count_tokens("system: Be brief.\n\nWhat is 17 * 23?".join(["user: ", "\n\nassistant: "]))
+    assert extra["cost"]["prompt_tokens"] > own_prompt
+    assert body["usage"] == {"prompt_tokens": own_prompt, "completion_tokens": 3, "total_tokens": own_prompt + 3,
+                             "prompt_tokens_details": {"cached_tokens": 0},
+                             "completion_tokens_details": {"reasoning_tokens": 1}}
     # the system message is folded into the question as context
     assert "user: system: Be brief.\n\nWhat is 17 * 23?" in small.generated_prompts()[0]
 
@@ -117,7 +85,7 @@ def test_the_model_name_selects_the_policy_and_the_models_are_shared(serve):
     small, large = scripted_pair()
     url = serve(create_app({"policy": {"name": "specreason"}}, small=small, large=large))
     body = httpx.post(f"{url}/v1/chat/completions", json=chat("thinkahead/cot:large")).json()
-    assert body["choices"][0]["message"]["content"] == "391"
+    assert body["thinkahead"]["answer"] == "391"
     assert [(s["author"], s["verdict"]) for s in body["thinkahead"]["steps"]] == [("large", "baseline")]
     assert body["thinkahead"]["policy"] == "large"
     assert small.calls == [] and len(large.generated_prompts()) == 1  # the large policy never asks the small model
@@ -136,6 +104,7 @@ def test_max_tokens_caps_the_reasoning_chain(serve):
     # after one small token the chain is out of budget: the large model writes the final step
     assert [s["author"] for s in body["thinkahead"]["steps"]] == ["small", "large"]
     assert len(small.generated_prompts()) == 1
+    assert body["choices"][0]["finish_reason"] == "length"  # the cap stopped the chain
 
 
 def test_streaming_sends_role_each_step_as_decided_the_answer_finish_and_done(serve):
@@ -156,12 +125,11 @@ def test_streaming_sends_role_each_step_as_decided_the_answer_finish_and_done(se
         ("chat.completion.chunk", chunks[0]["id"], "thinkahead/cot:specreason")}
     assert [c["choices"][0]["delta"] for c in chunks] == [
         {"role": "assistant", "content": ""},
-        {"reasoning_content": "Multiply.\n\n"},
-        {"reasoning_content": "So \\boxed{391}."},
-        {"content": "391"},
+        {"reasoning_content": "Multiply.\n\n", "reasoning": "Multiply.\n\n"},
+        {"content": "So \\boxed{391}."},
         {},
     ]
-    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, None, None, "stop"]
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, None, "stop"]
     final = chunks[-1]
     assert final["usage"]["completion_tokens"] == 3
     assert final["thinkahead"]["run_id"] == chunks[0]["id"]
@@ -179,7 +147,8 @@ def test_unknown_models_and_routes_get_openai_shaped_404s(serve):
         assert response.status_code == 404
         error = response.json()["error"]
         assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", "model", "model_not_found")
-        assert error["message"].startswith(f"The model {model!r} does not exist; models are thinkahead/<workflow>")
+        assert error["message"].startswith(f"The model {model!r} does not exist; models are 'small-scripted', "
+                                           "'large-scripted' and thinkahead/<workflow>")
     missing = httpx.get(f"{url}/v1/engines")
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
     assert httpx.get(f"{url}/v1/chat/completions").status_code == 405
@@ -196,14 +165,20 @@ def test_bad_requests_get_400s_that_name_the_problem(serve):
     assert response.json()["error"]["message"].startswith("the request body is not valid JSON")
     cases = [
         ({"model": "thinkahead/cot"}, "messages", "'messages' is required"),
-        ({"model": "thinkahead/cot", "messages": []}, "messages", "'messages' is required"),
+        ({"model": "thinkahead/cot", "messages": []}, "messages", "'messages': List should have at least 1 item"),
         ({"messages": [{"role": "user", "content": "q"}]}, "model", "'model' is required"),
         ({"model": "thinkahead/cot",
           "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]},
          "messages", "the last message must be the user's question, got role 'assistant'"),
-        (chat("thinkahead/cot", max_tokens=0), "max_tokens", "'max_tokens' must be a positive integer, got 0"),
-        (chat("thinkahead/cot", stream="yes"), "stream", "'stream' must be true or false"),
-        (chat("thinkahead/cot", session_id=5), "session_id", "'session_id' must be a non-empty string"),
+        ({"model": "thinkahead/cot", "messages": [{"role": "robot", "content": "q"}]}, "messages[0].role",
+         "'messages[0].role': Input should be"),
+        (chat("thinkahead/cot", max_tokens=0), "max_tokens", "'max_tokens': Input should be greater than or equal to 1"),
+        (chat("thinkahead/cot", max_tokens="5"), "max_tokens", "'max_tokens': Input should be a valid integer"),
+        (chat("thinkahead/cot", stream="yes"), "stream", "'stream': Input should be a valid boolean"),
+        (chat("thinkahead/cot", session_id=5), "session_id", "'session_id': Input should be a valid string"),
+        (chat("thinkahead/cot", temprature=0.5), "temprature", "unrecognized request argument supplied: temprature"),
+        (chat("thinkahead/cot", functions=[]), "functions", "'functions' is not supported"),
+        (chat("thinkahead/cot", frequency_penalty=0.5), "frequency_penalty", "'frequency_penalty' is not supported"),
     ]
     for payload, param, message in cases:
         response = httpx.post(endpoint, json=payload)
@@ -229,8 +204,12 @@ def test_content_parts_are_read_as_text(serve):
     url = serve(create_app(small=small, large=large))
     request = {"model": "thinkahead/cot", "messages": [{"role": "user", "content": [
         {"type": "text", "text": "What is "}, {"type": "text", "text": "17 * 23?"}]}]}
-    assert httpx.post(f"{url}/v1/chat/completions", json=request).json()["choices"][0]["message"]["content"] == "391"
+    assert httpx.post(f"{url}/v1/chat/completions", json=request).json()["thinkahead"]["answer"] == "391"
     assert small.generated_prompts()[0].startswith("user: What is 17 * 23?\n\nassistant:")
+    image = {"model": "thinkahead/cot", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}
+    response = httpx.post(f"{url}/v1/chat/completions", json=image)
+    assert response.status_code == 400 and response.json()["error"]["param"].startswith("messages[0].content")
 
 
 def test_concurrent_requests_overlap_and_each_gets_its_own_answer(serve):
@@ -250,7 +229,7 @@ def test_concurrent_requests_overlap_and_each_gets_its_own_answer(serve):
 
     responses, wall = asyncio.run(ask_all())
     assert [r.status_code for r in responses] == [200] * len(numbers)
-    assert [r.json()["choices"][0]["message"]["content"] for r in responses] == [str(2 * n) for n in numbers]
+    assert [r.json()["thinkahead"]["answer"] for r in responses] == [str(2 * n) for n in numbers]
     assert len({r.json()["id"] for r in responses}) == len(numbers)
     serial = len(numbers) * 4 * delay
     assert wall < serial / 2, f"{wall:.2f}s for {len(numbers)} requests; serially {serial:.1f}s"
@@ -271,7 +250,7 @@ def test_concurrency_limits_the_runs_in_flight(serve):
             return responses, time.perf_counter() - started
 
     responses, wall = asyncio.run(ask_all())
-    assert [r.json()["choices"][0]["message"]["content"] for r in responses] == ["2", "4", "6"]
+    assert [r.json()["thinkahead"]["answer"] for r in responses] == ["2", "4", "6"]
     assert wall >= 3 * 4 * delay * 0.95  # one run at a time
 
 
@@ -298,8 +277,8 @@ def test_a_run_cut_short_by_its_budget_finishes_with_length(serve):
     small, large = scripted_pair()
     url = serve(create_app({"budget": {"max_model_calls": 3}}, small=small, large=large))
     body = httpx.post(f"{url}/v1/chat/completions", json=chat("thinkahead/cot")).json()
-    assert body["choices"] == [{"index": 0, "finish_reason": "length", "message": {
-        "role": "assistant", "content": "", "reasoning_content": "Multiply.\n\n"}}]
+    assert body["choices"] == [{"index": 0, "finish_reason": "length", "logprobs": None, "message": {
+        "role": "assistant", "content": "", "reasoning_content": "Multiply.\n\n", "reasoning": "Multiply.\n\n"}}]
     assert (body["thinkahead"]["status"], body["thinkahead"]["error"]) == (
         "budget", "run budget max_model_calls=3 exhausted (used 3)")
 
@@ -313,7 +292,7 @@ def test_a_client_that_goes_away_cancels_its_run(serve):
     url = serve(create_app(small=small, large=large))
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=chat("thinkahead/cot", stream=True)) as response:
         line = next(line for line in response.iter_lines() if "reasoning_content" in line)
-        assert json.loads(line[len("data: "):])["choices"][0]["delta"] == {"reasoning_content": "Step 1 of many.\n\n"}
+        assert json.loads(line[len("data: "):])["choices"][0]["delta"]["reasoning_content"] == "Step 1 of many.\n\n"
     time.sleep(0.5)
     calls = len(small.calls) + len(large.calls)
     time.sleep(0.5)
@@ -340,7 +319,9 @@ def test_the_serve_command_loads_the_models_once_and_runs_uvicorn(monkeypatch, t
     assert app.concurrency == 3
     assert app.orchestrator("specreason").config.policy.threshold == 5.0
     assert app.orchestrator("specreason").small is app.small
-    assert "serving thinkahead/<workflow>[:<policy>] at http://127.0.0.1:8123/v1" in result.output
+    assert "serving qwen and thinkahead/<workflow>[:<policy>] at http://127.0.0.1:8123/v1" in result.output
+    assert app.settings.allowed_hosts == ["127.0.0.1", "localhost", "::1"]  # loopback: a Host check by default
+    assert (app.settings.api_key, app.settings.allow_origins, app.settings.max_queue) == (None, [], 64)
     asyncio.run(app.aclose())
 
 

@@ -28,6 +28,7 @@ from tests.fake_sglang import EOS_TOKEN_ID, FakeSGLangServer, encode
 from thinkahead.models.base import GenerationRequest, render_plain
 from thinkahead.models.http import ModelServerError
 from thinkahead.models.sglang import SGLangModel, spec_stats
+from thinkahead.token_spec.stats import SpecStats
 
 ROOT = Path(__file__).resolve().parents[1]
 FAKE_SCRIPT = str(ROOT / "tests" / "fake_sglang.py")
@@ -113,8 +114,8 @@ def test_generate_maps_every_meta_info_field(server: FakeSGLangServer) -> None:
     spec_keys = {k for k in meta if k.startswith("spec_") and k not in NOT_CARRIED}
     assert spec_keys == {"spec_accept_rate", "spec_accept_length", "spec_num_correct_drafts",
                          "spec_num_proposed_drafts", "spec_verify_ct"}
-    assert out.spec == {k: float(meta[k]) for k in spec_keys}
-    assert out.spec["spec_accept_length"] == out.completion_tokens / out.spec["spec_verify_ct"]
+    assert {k: float(getattr(out.spec, k)) for k in spec_keys} == {k: float(meta[k]) for k in spec_keys}
+    assert out.spec.spec_accept_length == out.completion_tokens / out.spec.spec_verify_ct
     mapped = {"finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens"} | spec_keys
     assert set(meta) == mapped | NOT_CARRIED  # nothing in meta_info is silently unaccounted for
     assert out.model == "fake" and out.time_s > 0 and out.first_token_s == 0.0
@@ -168,7 +169,7 @@ def test_streaming_adds_up_to_the_plain_reply(incremental: bool) -> None:
     assert streamed.text == plain.text == "Step one.\n\nStep "
     assert streamed.token_ids == plain.token_ids and streamed.matched_stop == "two"
     assert streamed.completion_tokens == plain.completion_tokens
-    assert streamed.spec == plain.spec and streamed.spec["spec_verify_ct"] > 0
+    assert streamed.spec.spec_dict() == plain.spec.spec_dict() and streamed.spec.spec_verify_ct > 0
     assert 0 < streamed.first_token_s <= streamed.time_s
 
 
@@ -325,8 +326,8 @@ def test_constructor_checks_and_names() -> None:
     model = SGLangModel("http://gpu1:30000", api_key="k")
     assert model.name == "sglang@gpu1:30000" and model.client.headers == {"Authorization": "Bearer k"}
     assert model.render([{"role": "user", "content": "hi"}]) == render_plain([{"role": "user", "content": "hi"}])
-    assert spec_stats({"spec_verify_ct": 3, "spec_correct_drafts_histogram": [1, 2], "prompt_tokens": 4}) == {
-        "spec_verify_ct": 3.0}
+    assert spec_stats({"spec_verify_ct": 3, "spec_correct_drafts_histogram": [1, 2], "prompt_tokens": 4}) == SpecStats(
+        prompt_tokens=4, spec_verify_ct=3)
 
 
 def test_openai_model_works_against_sglang_v1_completions() -> None:

@@ -24,7 +24,7 @@ from pydantic import BaseModel, Field, ValidationError, field_validator, model_v
 
 from thinkahead.orchestrator.budget import RetryPolicy, RunBudget
 from thinkahead.step_spec.loop import StepBudget
-from thinkahead.step_spec.policies import POLICY_NAMES
+from thinkahead.step_spec.policies import POLICY_NAMES, PolicySettings
 from thinkahead.step_spec.segment import SegmentConfig
 
 # A run's wall-clock deadline unless `budget.max_wall_s` says otherwise (`null`: none). Runs of the
@@ -83,32 +83,19 @@ class ModelConfig(BaseModel, extra="forbid"):
         return self
 
 
-class PolicyConfig(BaseModel, extra="forbid"):
-    """The step policy of `think` nodes and its settings."""
+class PolicyConfig(PolicySettings):
+    """The step policy of `think` nodes and its settings (`extra="forbid"`).
 
-    name: Literal["large", "small", "specreason", "arbitrage", "reflect"] = "specreason"
-    threshold: float = Field(default=7.0, ge=0, le=9)
-    score_mode: Literal["greedy", "expected"] = "greedy"
-    judge: Literal["llm", "agreement"] = "llm"  # specreason's verifier: 0-9 judge prompt, or token agreement
-    margin: float = Field(default=1.0, gt=0, lt=50)  # agreement: nats a checked token may trail the large model's choice
-    word_margin: float | None = Field(default=None, gt=0, lt=50)  # agreement: the same for other tokens (None: unchecked)
-    repair: Literal["step", "token"] = "step"  # agreement failure: the large model finishes the step, or fixes one token
-    max_corrections: int = Field(default=8, ge=1)  # token repair: fixes per step before the large model finishes it
-    first_large_steps: int = Field(default=0, ge=0)
-    lookahead: bool = False
-    router: str = "heuristic"
+    Built from the policy registry (`thinkahead.step_spec.policies.POLICIES`): `name` is one of the
+    batch policies, the other fields are the union of their options (threshold, judge, ... for
+    specreason; router for arbitrage). Each policy reads its own settings and ignores the others',
+    so switching `name` keeps them (`policy: {name: specreason, threshold: 7}` or `policy: specreason`).
+    """
 
     def build(self):
-        from thinkahead.step_spec.policies import make_policy
+        from thinkahead.step_spec.policies import build_policy
 
-        if self.name == "specreason":
-            return make_policy(self.name, threshold=self.threshold, score_mode=self.score_mode, judge=self.judge,
-                               margin=self.margin, word_margin=self.word_margin, repair=self.repair,
-                               max_corrections=self.max_corrections, first_large_steps=self.first_large_steps,
-                               lookahead=self.lookahead)
-        if self.name == "arbitrage":
-            return make_policy(self.name, router=self.router)
-        return make_policy(self.name)
+        return build_policy(self)
 
 
 def explain(exc: ValidationError, source: str = "config") -> str:

@@ -9,17 +9,23 @@ print(result.answer, result.cost["tokens"])
 ```
 
 Models load on first use; a spec used for both tiers loads once. Any `LanguageModel` instance
-can stand in for a spec (an `OpenAIModel`, a `ScriptedModel` in tests).
+can stand in for a spec (an `OpenAIModel`, a `ScriptedModel` in tests). The orchestrator is a context
+manager (`with` or `async with`) that closes its models at the end; `run_sync` and `map_sync` work in
+code with a running event loop too (Jupyter), and `run(..., raise_on_error=True)` raises
+`thinkahead.errors.RunFailed` for a failed run instead of returning it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import logging
 import os
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Mapping
+from typing import Any, TypeVar
 
 from thinkahead.config import OrchestratorConfig
+from thinkahead.errors import RunFailed
 from thinkahead.models.base import LanguageModel
 from thinkahead.orchestrator.graph import CompiledGraph, StepGraph
 from thinkahead.orchestrator.runtime import Runtime
@@ -28,6 +34,19 @@ from thinkahead.orchestrator.trace import RunResult, TraceEvent
 
 Workflow = str | StepGraph | CompiledGraph | None
 BatchWorkflow = Workflow | Callable[[str], StepGraph | CompiledGraph]  # a graph per run id
+T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+
+def run_coroutine(coro: Coroutine[Any, Any, T]) -> T:
+    """Run `coro` to the end from synchronous code: in a new event loop, or, where this thread already
+    runs one (Jupyter, an async framework), in a worker thread with its own loop, waiting for it."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="thinkahead-sync") as pool:
+        return pool.submit(asyncio.run, coro).result()
 
 
 class Orchestrator:
@@ -124,18 +143,25 @@ class Orchestrator:
     # ------------------------------------------------------------------ running
 
     async def run(self, workflow: Workflow, input: Mapping[str, Any] | str, *, id: str | None = None,
-                  session: str | None = None) -> RunResult:
+                  session: str | None = None, raise_on_error: bool = False) -> RunResult:
         """Run one workflow on one input (a string, or a dict of the workflow's inputs).
 
         `session` names an agent conversation that calls again and again with a growing history:
         drafting state carries over between its runs (suffix trees extended, not rebuilt).
+        `raise_on_error`: a run that ends in error raises `RunFailed` (with the result) instead of
+        being returned; a run a budget cut short is still returned (status "budget").
         """
-        return await self.runtime.run(self.workflow(workflow), input, run_id=id, session=session)
+        result = await self.runtime.run(self.workflow(workflow), input, run_id=id, session=session)
+        if result.status == "error":
+            log.warning("run %s (%s) failed: %s", result.id, result.workflow, result.error)
+            if raise_on_error:
+                raise RunFailed(result)
+        return result
 
     def run_sync(self, workflow: Workflow, input: Mapping[str, Any] | str, *, id: str | None = None,
-                 session: str | None = None) -> RunResult:
-        """`run` for code without an event loop."""
-        return asyncio.run(self.run(workflow, input, id=id, session=session))
+                 session: str | None = None, raise_on_error: bool = False) -> RunResult:
+        """`run` from synchronous code (a running event loop, as in Jupyter, is fine too)."""
+        return run_coroutine(self.run(workflow, input, id=id, session=session, raise_on_error=raise_on_error))
 
     async def map(
         self,
@@ -172,7 +198,8 @@ class Orchestrator:
                 result_store.close()
 
     def map_sync(self, batch: Iterable[Any], workflow: Workflow = None, **kwargs: Any) -> list[RunResult]:
-        return asyncio.run(self.map(batch, workflow, **kwargs))
+        """`map` from synchronous code (a running event loop, as in Jupyter, is fine too)."""
+        return run_coroutine(self.map(batch, workflow, **kwargs))
 
     async def stream(self, workflow: Workflow, input: Mapping[str, Any] | str, *, id: str | None = None,
                      session: str | None = None) -> AsyncIterator[TraceEvent | RunResult]:
@@ -192,6 +219,22 @@ class Orchestrator:
             return result.answer
 
         return tool
+
+    def __enter__(self) -> Orchestrator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    async def __aenter__(self) -> Orchestrator:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def close(self) -> None:
+        """`aclose` from synchronous code."""
+        run_coroutine(self.aclose())
 
     async def aclose(self) -> None:
         """Release the models' connections and memory."""

@@ -26,7 +26,7 @@ _EXPORTS = {
     "AdaptiveController": "controller",
     "SpeculativeDecoder": "decoder",
     "GenerationResult": "decoder",
-    "SpecStats": "decoder",
+    "SpecStats": "stats",
     "replay": "simulator",
     "replay_sessions": "simulator",
     "Turn": "simulator",

@@ -11,8 +11,8 @@ not bit-identical); sampled output follows the target distribution.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-from typing import Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Hashable, Sequence
 import itertools
 import time
 
@@ -20,51 +20,71 @@ import torch
 
 from thinkahead.token_spec.controller import AdaptiveController, SpeculationController
 from thinkahead.token_spec.draft import Draft
-from thinkahead.token_spec.drafters import Drafter, common_prefix_len
+from thinkahead.token_spec.drafters import Drafter
+from thinkahead.token_spec.names import common_prefix_len
 from thinkahead.token_spec.prefix_pool import KVPrefixPool
-from thinkahead.token_spec.verify import SamplingParams, verify_greedy, verify_sampling
-
-
-@dataclass(slots=True)
-class SpecStats:
-    """Per-generation counters, named as SGLang's meta_info names them."""
-
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix pool
-    spec_verify_ct: int = 0  # verify forwards (one per round)
-    spec_num_proposed_drafts: int = 0  # draft tokens sent for verification
-    spec_num_correct_drafts: int = 0  # draft tokens accepted
-    draft_time_s: float = 0.0
-    verify_time_s: float = 0.0
-    prefill_time_s: float = 0.0
-    first_token_s: float = 0.0  # time to the first committed token (prefill + first round)
-    total_time_s: float = 0.0
-
-    @property
-    def spec_accept_length(self) -> float:
-        """Tokens produced per verify forward (SGLang: completion tokens / verify count)."""
-        return self.completion_tokens / self.spec_verify_ct if self.spec_verify_ct else 0.0
-
-    @property
-    def tokens_per_s(self) -> float:
-        """Decode speed: tokens after the first one, over the time after the first one."""
-        decode = self.total_time_s - self.first_token_s
-        return (self.completion_tokens - 1) / decode if decode > 0 and self.completion_tokens > 1 else 0.0
-
-    def to_dict(self) -> dict[str, float]:
-        out = asdict(self)
-        out["spec_accept_length"] = self.spec_accept_length
-        return out
+from thinkahead.token_spec.stats import SpecStats
+from thinkahead.token_spec.verify import Acceptance, SamplingParams, verify_greedy, verify_sampling
 
 
 @dataclass(slots=True)
 class GenerationResult:
+    """What `SpeculativeDecoder.generate` returns.
+
+    The decoder owns the stop: `token_ids` end with the stop token or with the token that
+    completed the stop string, `matched_stop` names it, and `text` ends right before a matched
+    stop string (OpenAI and SGLang semantics).
+    """
+
     text: str
     token_ids: list[int]
     finish_reason: str  # "stop" (a stop token or stop string) or "length" (max_new_tokens)
     stats: SpecStats = field(default_factory=SpecStats)
     matched_stop: str | int | None = None  # the stop string or stop token that ended generation
+
+
+@dataclass(slots=True)
+class _Generation:
+    """The state of one `generate` call, shared by its round steps."""
+
+    rid: Hashable
+    prompt: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams
+    generator: torch.Generator | None
+    stop_ids: frozenset[int]
+    stop_strings: list[str]
+    stats: SpecStats  # counters, filled round by round
+    started: float
+    session: Any = None
+    context: list[int] = field(default_factory=list)  # prompt + committed output
+    output: list[int] = field(default_factory=list)
+    finish: str = "length"
+    matched: str | int | None = None
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    prefill_s: float = 0.0
+
+    @property
+    def room(self) -> int:
+        """Draft tokens this round may verify: the bonus token always comes on top."""
+        return self.max_new_tokens - len(self.output) - 1
+
+    @property
+    def done(self) -> bool:
+        return self.finish == "stop" or len(self.output) >= self.max_new_tokens
+
+
+@dataclass(slots=True)
+class _Round:
+    """One verified round: the draft, what the target accepted, what the forward cost, what is kept."""
+
+    draft: Draft
+    probe: Draft | None  # an unverified draft when the budget is zero: the controller learns from it
+    acceptance: Acceptance
+    fed: int  # tokens in the verify forward
+    forward_s: float
+    tokens: list[int] = field(default_factory=list)  # what this round commits
 
 
 class SpeculativeDecoder:
@@ -116,95 +136,176 @@ class SpeculativeDecoder:
         one of `stop_strings`; the text then ends right before the stop string (OpenAI and SGLang
         semantics) and `token_ids` end with the token that completed it.
         """
+        gen = self._new_generation(prompt_ids, max_new_tokens, sampling, stop_token_ids, seed, request_id,
+                                   stop_strings)
+        self._prefill(gen, session_id)
+        try:
+            while not gen.done:
+                draft, probe = self._draft(gen)
+                rnd = self._verify(gen, draft, probe)
+                self._accept(gen, rnd)
+                self._learn(gen, rnd)
+                self._check_stop_string(gen, rnd)
+                self._commit(gen, rnd)
+        finally:
+            self._release(gen)
+        return self._result(gen)
+
+    # ------------------------------------------------------------------ round steps
+    def _new_generation(
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int,
+        sampling: SamplingParams | None,
+        stop_token_ids: Sequence[int] | None,
+        seed: int | None,
+        request_id: Hashable | None,
+        stop_strings: Sequence[str],
+    ) -> _Generation:
+        """Check the arguments and open the per-generation state."""
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise ValueError("prompt_ids must hold at least one token")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        sampling = sampling or SamplingParams()
-        stops = set(self._default_stops() if stop_token_ids is None else stop_token_ids)
-        stop_strings = [s for s in stop_strings if s]
-        if stop_strings and self.tokenizer is None:
+        strings = [s for s in stop_strings if s]
+        if strings and self.tokenizer is None:
             raise ValueError("stop_strings need a tokenizer: pass tokenizer= to SpeculativeDecoder")
-        matched: str | int | None = None
-        generator = torch.Generator().manual_seed(seed) if seed is not None else None
-        rid = request_id if request_id is not None else f"gen-{next(self._ids)}"
-        stats = SpecStats(prompt_tokens=len(prompt))
-        t_start = time.perf_counter()
+        return _Generation(
+            rid=request_id if request_id is not None else f"gen-{next(self._ids)}",
+            prompt=prompt,
+            max_new_tokens=max_new_tokens,
+            sampling=sampling or SamplingParams(),
+            generator=torch.Generator().manual_seed(seed) if seed is not None else None,
+            stop_ids=frozenset(self._default_stops() if stop_token_ids is None else stop_token_ids),
+            stop_strings=strings,
+            stats=SpecStats(prompt_tokens=len(prompt)),
+            started=time.perf_counter(),
+            context=list(prompt),
+        )
 
+    def _prefill(self, gen: _Generation, session_id: Hashable | None) -> None:
+        """A KV session holding the prompt but its last token (which the first round feeds), and the drafter told."""
+        prompt, stats = gen.prompt, gen.stats
         if self.prefix_pool is not None:
-            session, stats.cached_tokens = self.prefix_pool.acquire(prompt)
+            gen.session, stats.cached_tokens = self.prefix_pool.acquire(prompt)
         else:
-            session = self.engine.new_session()
+            gen.session = self.engine.new_session()
         if len(prompt) - 1 > stats.cached_tokens:
-            self.engine.forward(session, prompt[stats.cached_tokens : -1], last_only=True)
-        stats.prefill_time_s = time.perf_counter() - t_start
-        drafter = self.drafter
-        if drafter is not None:
-            drafter.start(rid, prompt, sampling, session_id=session_id)
+            self.engine.forward(gen.session, prompt[stats.cached_tokens : -1], last_only=True)
+        gen.prefill_s = time.perf_counter() - gen.started
+        if self.drafter is not None:
+            self.drafter.start(gen.rid, prompt, gen.sampling, session_id=session_id)
 
-        context = list(prompt)
-        output: list[int] = []
-        finish = "length"
+    def _draft(self, gen: _Generation) -> tuple[Draft, Draft | None]:
+        """This round's draft within the controller's budget, and a free probe draft when the budget is zero."""
+        drafter, room = self.drafter, gen.room
+        if drafter is None or room <= 0:
+            return Draft(), None
+        budget = min(self.controller.budget(), room)
+        t0 = time.perf_counter()
         try:
-            while len(output) < max_new_tokens:
-                room = max_new_tokens - len(output) - 1  # the bonus token always comes on top
-                draft, probe = self._propose(rid, context, room, stats)
-                tokens = [context[-1]] + draft.token_ids
-                tree = not draft.is_chain
-                parents = [-1] + [p + 1 for p in draft.parents] if tree else None
-                start = session.length
-                t0 = time.perf_counter()
-                logits = self.engine.forward(session, tokens, parents)
-                if sampling.greedy:
-                    verdict = verify_greedy(logits, draft)
-                else:
-                    verdict = verify_sampling(logits, draft, sampling, generator)
-                path = [0] + [i + 1 for i in verdict.accepted]
-                if tree:
-                    self.engine.keep_path(session, start, path)
-                else:
-                    self.engine.truncate(session, start + len(path))
-                forward_s = time.perf_counter() - t0
-                stats.verify_time_s += forward_s
-
-                new = [draft.token_ids[i] for i in verdict.accepted] + [verdict.bonus]
-                for k, t in enumerate(new):
-                    if t in stops:
-                        new = new[: k + 1]
-                        finish, matched = "stop", t
-                        break
-                stats.spec_verify_ct += 1
-                stats.spec_num_proposed_drafts += len(draft)
-                stats.spec_num_correct_drafts += len(verdict.accepted)
-                self.controller.update(len(draft), len(verdict.accepted), len(tokens), forward_s)
-                if probe is not None and len(probe):
-                    # Only as many probe tokens as were produced can be checked.
-                    checked = min(len(probe), len(new))
-                    self.controller.update(checked, common_prefix_len(probe.token_ids, new))
-                if not output:
-                    stats.first_token_s = time.perf_counter() - t_start
-                if stop_strings and finish != "stop":
-                    hit = self._find_stop_string(output, new, stop_strings)
-                    if hit is not None:
-                        new, matched, finish = new[: hit[0]], hit[1], "stop"
-                output.extend(new)
-                context.extend(new)
-                if drafter is not None:
-                    drafter.observe(rid, new, draft)
-                if finish == "stop":
-                    break
+            if budget > 0:
+                return self.controller.trim(drafter.propose(gen.rid, gen.context, budget)).truncated(room), None
+            if drafter.model_free:
+                # Free to ask: see whether a draft would have hit, without verifying it.
+                return Draft(), drafter.propose(gen.rid, gen.context, self.probe_tokens)
+            return Draft(), None
         finally:
-            if drafter is not None:
-                drafter.finish(rid)
-            self._return_session(session, context)
-        stats.completion_tokens = len(output)
-        stats.total_time_s = time.perf_counter() - t_start
-        text = self.tokenizer.decode(output, skip_special_tokens=True) if self.tokenizer is not None else ""
-        if isinstance(matched, str):
-            text = text[: text.rfind(matched)] if matched in text else text
-        return GenerationResult(text=text, token_ids=output, finish_reason=finish, stats=stats, matched_stop=matched)
+            gen.draft_s += time.perf_counter() - t0
 
+    def _verify(self, gen: _Generation, draft: Draft, probe: Draft | None) -> _Round:
+        """One target forward over `[last committed token] + draft`, the acceptance, and the KV rolled back to it."""
+        tokens = [gen.context[-1]] + draft.token_ids
+        tree = not draft.is_chain
+        parents = [-1] + [p + 1 for p in draft.parents] if tree else None
+        start = gen.session.length
+        t0 = time.perf_counter()
+        logits = self.engine.forward(gen.session, tokens, parents)
+        if gen.sampling.greedy:
+            acceptance = verify_greedy(logits, draft)
+        else:
+            acceptance = verify_sampling(logits, draft, gen.sampling, gen.generator)
+        self._rollback(gen.session, start, acceptance, tree)
+        forward_s = time.perf_counter() - t0
+        gen.verify_s += forward_s
+        return _Round(draft, probe, acceptance, fed=len(tokens), forward_s=forward_s)
+
+    def _rollback(self, session, start: int, acceptance: Acceptance, tree: bool) -> None:
+        """Keep in the KV cache only the fed token and the accepted path after `start`."""
+        path = [0] + [i + 1 for i in acceptance.accepted]
+        if tree:
+            self.engine.keep_path(session, start, path)
+        else:
+            self.engine.truncate(session, start + len(path))
+
+    def _accept(self, gen: _Generation, rnd: _Round) -> None:
+        """The round's tokens: the accepted drafts and the bonus token, ending at the first stop token."""
+        acceptance = rnd.acceptance
+        tokens = [rnd.draft.token_ids[i] for i in acceptance.accepted] + [acceptance.bonus]
+        for k, t in enumerate(tokens):
+            if t in gen.stop_ids:
+                tokens = tokens[: k + 1]
+                gen.finish, gen.matched = "stop", t
+                break
+        rnd.tokens = tokens
+
+    def _learn(self, gen: _Generation, rnd: _Round) -> None:
+        """Count the round (SGLang's counters) and let the controller learn from it and from the probe."""
+        accepted = len(rnd.acceptance.accepted)
+        stats = gen.stats
+        stats.spec_verify_ct += 1
+        stats.spec_num_proposed_drafts += len(rnd.draft)
+        stats.spec_num_correct_drafts += accepted
+        self.controller.update(len(rnd.draft), accepted, rnd.fed, rnd.forward_s)
+        probe = rnd.probe
+        if probe is not None and len(probe):
+            # Only as many probe tokens as were produced can be checked.
+            checked = min(len(probe), len(rnd.tokens))
+            self.controller.update(checked, common_prefix_len(probe.token_ids, rnd.tokens))
+
+    def _check_stop_string(self, gen: _Generation, rnd: _Round) -> None:
+        """Cut the round's tokens after the one that completes a stop string, if any does."""
+        if not gen.stop_strings or gen.finish == "stop":
+            return
+        hit = self._find_stop_string(gen.output, rnd.tokens, gen.stop_strings)
+        if hit is not None:
+            rnd.tokens = rnd.tokens[: hit[0]]
+            gen.finish, gen.matched = "stop", hit[1]
+
+    def _commit(self, gen: _Generation, rnd: _Round) -> None:
+        """Append the round's tokens to the output and tell the drafter what was kept."""
+        if not gen.output:
+            gen.stats.first_token_s = time.perf_counter() - gen.started
+        gen.output.extend(rnd.tokens)
+        gen.context.extend(rnd.tokens)
+        if self.drafter is not None:
+            self.drafter.observe(gen.rid, rnd.tokens, rnd.draft)
+
+    def _release(self, gen: _Generation) -> None:
+        """Close the drafter's request and give the session back to the prefix pool, its KV cropped
+        to the committed tokens."""
+        if self.drafter is not None:
+            self.drafter.finish(gen.rid)
+        if self.prefix_pool is None or gen.session is None:
+            return
+        n = min(gen.session.length, len(gen.context) - 1)
+        self.engine.truncate(gen.session, n)
+        self.prefix_pool.release(gen.session, gen.context[:n])
+
+    def _result(self, gen: _Generation) -> GenerationResult:
+        """The finished generation: its text cut before a matched stop string, and its stats."""
+        stats = gen.stats
+        stats.completion_tokens = len(gen.output)
+        stats.total_time_s = time.perf_counter() - gen.started
+        stats.draft_time_s, stats.verify_time_s, stats.prefill_time_s = gen.draft_s, gen.verify_s, gen.prefill_s
+        text = self.tokenizer.decode(gen.output, skip_special_tokens=True) if self.tokenizer is not None else ""
+        if isinstance(gen.matched, str) and gen.matched in text:
+            text = text[: text.rfind(gen.matched)]
+        return GenerationResult(text=text, token_ids=gen.output, finish_reason=gen.finish, stats=stats,
+                                matched_stop=gen.matched)
+
+    # ------------------------------------------------------------------ helpers
     def _find_stop_string(self, output: list[int], new: list[int], stop_strings: list[str]) -> tuple[int, str] | None:
         """(number of `new` tokens to keep, the stop string) for the first stop string completed by `new`."""
         window = max(len(s) for s in stop_strings) + 4  # tokens: each holds at least one character
@@ -216,31 +317,6 @@ class SpeculativeDecoder:
                 if s in text and text.count(s) > before.count(s):
                     return k, s
         return None
-
-    def _return_session(self, session, context: list[int]) -> None:
-        """Give the session back to the prefix pool, its KV cropped to the committed tokens."""
-        if self.prefix_pool is None:
-            return
-        n = min(session.length, len(context) - 1)
-        self.engine.truncate(session, n)
-        self.prefix_pool.release(session, context[:n])
-
-    def _propose(self, rid: Hashable, context: list[int], room: int, stats: SpecStats) -> tuple[Draft, Draft | None]:
-        """This round's draft, and an unverified probe draft when the budget is zero."""
-        drafter = self.drafter
-        if drafter is None or room <= 0:
-            return Draft(), None
-        budget = min(self.controller.budget(), room)
-        t0 = time.perf_counter()
-        try:
-            if budget > 0:
-                return self.controller.trim(drafter.propose(rid, context, budget)).truncated(room), None
-            if drafter.model_free:
-                # Free to ask: see whether a draft would have hit, without verifying it.
-                return Draft(), drafter.propose(rid, context, self.probe_tokens)
-            return Draft(), None
-        finally:
-            stats.draft_time_s += time.perf_counter() - t0
 
     def _default_stops(self) -> list[int]:
         eos = getattr(self.tokenizer, "eos_token_id", None) if self.tokenizer is not None else None
@@ -262,3 +338,6 @@ def plain_greedy(engine, prompt_ids: Sequence[int], max_new_tokens: int, stop_to
             break
         logits = engine.forward(session, [token])
     return out
+
+
+__all__ = ["GenerationResult", "SpecStats", "SpeculativeDecoder", "plain_greedy"]

@@ -4,8 +4,10 @@ One `SuffixCache` serves every request and agent that talks to one target model.
 A live request's own tree covers its prompt and its output so far; when the
 request stops, its output joins the global tree, where every later request (of
 any agent) can draft from it. The global tree evicts whole responses, oldest
-first, by count and by an estimated memory cap. `save` / `load` keep a warm
-cache between batch jobs.
+first, by count and by an estimated memory cap (`DEFAULT_MAX_MEMORY_BYTES` unless
+set); an eviction costs the evicted response's own suffixes, whatever the size
+of the tree (suffix_eviction). `save` / `load` keep a warm cache between batch
+jobs (suffix_persist).
 
 Sessions: an agent sends the same growing conversation turn after turn. A
 request started with a `session_id` keeps its tree when it stops; the session's
@@ -24,35 +26,21 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Callable, Hashable, Sequence
-import array
-import json
+from typing import Any, Callable, Hashable, Iterator, Sequence
 import operator
 import os
-import sys
 import time
 
 from thinkahead.token_spec.draft import Draft
+from thinkahead.token_spec.suffix_eviction import global_tree_bytes, shared_ids
+from thinkahead.token_spec.suffix_persist import read_cache, write_cache
+from thinkahead.token_spec.suffix_sessions import SessionsMixin, SessionStats, _Session, build_request_tree
 from thinkahead.token_spec.suffix_tree import Position, SuffixTree
 
-# Rough CPython sizes, measured with tracemalloc on the benchmark cache: a node
-# with its slots and its share of children dicts, and a stored token.
-NODE_BYTES = 190
-TOKEN_BYTES = 40
-
-_FILE_MAGIC = "thinkahead-suffix-cache"
-_FILE_VERSION = 2  # 2 adds idle sessions after the responses; version 1 files still load
-
-_CONFIG_KEYS = (
-    "max_depth",
-    "request_depth",
-    "max_cached_requests",
-    "max_memory_bytes",
-    "max_sessions",
-    "max_session_bytes",
-    "session_idle_s",
-)
+# The global tree's default memory cap: a quarter GiB, a few percent of a laptop's memory next to
+# the model. At the ~210 bytes per response token measured (bench/suffix_cache.py) it holds about
+# 1.2M tokens, i.e. the 10,000 responses `max_cached_requests` allows at ~120 tokens each.
+DEFAULT_MAX_MEMORY_BYTES = 256 * 2**20
 
 
 @dataclass(slots=True)
@@ -64,31 +52,7 @@ class _Request:
     session_id: Hashable | None = None  # where the tree goes when the request stops
 
 
-@dataclass(slots=True)
-class _Session:
-    """An idle session: the tree over its last prompt + output, waiting for the next turn."""
-
-    tree: SuffixTree
-    last_used: float
-    bytes: int
-
-
-@dataclass(slots=True)
-class SessionStats:
-    """What happened to sessions so far: how turns were served and how sessions ended."""
-
-    session_starts: int = 0  # a request opened a session the cache did not hold
-    session_extends: int = 0  # a request continued its session: only new tokens were added
-    session_rebuilds: int = 0  # the prompt did not extend the session (an edited history)
-    session_busy: int = 0  # another live request held the session's tree: built a private one
-    sessions_ended: int = 0  # by end_session
-    sessions_expired: int = 0  # idle longer than session_idle_s
-    sessions_evicted: int = 0  # least recently used, over max_sessions or max_session_bytes
-    extended_tokens: int = 0  # prompt tokens appended to continued sessions
-    rebuilt_tokens: int = 0  # prompt tokens of session requests that were built from scratch
-
-
-class SuffixCache:
+class SuffixCache(SessionsMixin):
     """Per-request and global suffix trees with SuffixDecoding's semantics, plus sessions.
 
     Args:
@@ -102,7 +66,10 @@ class SuffixCache:
             the same tokens per verify step as 64 at about half the update time.
         max_cached_requests: responses kept in the global tree; 0 disables the
             global tree, a negative value means no limit.
-        max_memory_bytes: estimated memory cap of the global tree, or None.
+        max_memory_bytes: cap on the global tree's estimated memory (`estimated_bytes`: its
+            nodes, the responses' tokens and their bookkeeping, within ~10% of what tracemalloc
+            measures), `DEFAULT_MAX_MEMORY_BYTES` (256 MiB) unless set; None: no cap (only
+            `max_cached_requests` bounds the global tree).
         max_sessions: idle sessions kept (least recently used evicted first); 0
             disables sessions (every request builds its own tree), None means no limit.
         max_session_bytes: estimated memory cap over all idle sessions' trees, or None.
@@ -115,7 +82,7 @@ class SuffixCache:
         max_depth: int = 64,
         request_depth: int | None = None,
         max_cached_requests: int = 10_000,
-        max_memory_bytes: int | None = None,
+        max_memory_bytes: int | None = DEFAULT_MAX_MEMORY_BYTES,
         max_sessions: int | None = 1024,
         max_session_bytes: int | None = 1 << 30,
         session_idle_s: float | None = None,
@@ -147,6 +114,7 @@ class SuffixCache:
         self._requests: dict[Hashable, _Request] = {}
         self._cached: OrderedDict[Hashable, int] = OrderedDict()  # rid -> seq id, oldest first
         self._next_seq_id = 0
+        self._evicted = 0  # responses removed from the global tree (its turnover, for `estimated_bytes`)
         self._sessions: OrderedDict[Hashable, _Session] = OrderedDict()  # idle, least recently used first
         self._session_bytes = 0
         self._held: dict[Hashable, Hashable] = {}  # session id -> the live request holding its tree
@@ -157,6 +125,7 @@ class SuffixCache:
             raise ValueError(f"cannot clear the suffix cache while requests are live: {list(self._requests)[:5]}")
         self.global_tree = SuffixTree(self.max_depth)
         self._cached.clear()
+        self._evicted = 0
         self._sessions.clear()
         self._session_bytes = 0
 
@@ -184,7 +153,8 @@ class SuffixCache:
             session_id = None  # sessions disabled: serve the request on its own
         if session_id is None:
             tokens = _checked_tokens(prompt_ids, "prompt_ids")
-            self._requests[rid] = _Request(tree=_build(self._request_depth, tokens), prompt_len=len(tokens))
+            tree = build_request_tree(self._request_depth, tokens)
+            self._requests[rid] = _Request(tree=tree, prompt_len=len(tokens))
             return
         self._expire(self.clock())
         stats = self.session_stats
@@ -201,7 +171,7 @@ class SuffixCache:
                 stats.extended_tokens += len(new)
         if tree is None:
             tokens = _checked_tokens(prompt_ids, "prompt_ids")
-            tree = _build(self._request_depth, tokens)
+            tree = build_request_tree(self._request_depth, tokens)
             if busy:
                 stats.session_busy += 1
             else:
@@ -240,13 +210,6 @@ class SuffixCache:
         tree = session.tree
         self._requests[rid] = _Request(tree=tree, prompt_len=len(tree.tokens(0)), session_id=session_id)
 
-    def session_tokens(self, session_id: Hashable) -> list[int]:
-        """A copy of an idle session's tokens (its last prompt + output)."""
-        session = self._sessions.get(session_id)
-        if session is None:
-            raise ValueError(f"session {session_id!r} is not held idle by the cache")
-        return list(session.tree.tokens(0))
-
     def extend(self, rid: Hashable, token_ids: Sequence[int]) -> None:
         """Append generated tokens to a live request."""
         req = self._request(rid)
@@ -282,88 +245,26 @@ class SuffixCache:
             self.evict(rid)
         self._insert(rid, response)
 
-    # ---------------------------------------------------------------- sessions
-    @property
-    def sessions(self) -> list[Hashable]:
-        """Sessions the cache holds: idle ones (least recently used first), then those in use."""
-        return list(self._sessions) + [s for s in self._held if s not in self._sessions]
-
-    @property
-    def session_bytes(self) -> int:
-        """Estimated memory of the idle sessions' trees (what `max_session_bytes` caps)."""
-        return self._session_bytes
-
-    def end_session(self, session_id: Hashable) -> None:
-        """Forget a session now; a live request of it keeps its tree until it stops, then drops it."""
-        live = [req for req in self._requests.values() if req.session_id == session_id]
-        if session_id not in self._sessions and not live:
-            raise ValueError(f"session {session_id!r} is not held by the cache")
-        self._discard_idle(session_id)
-        self._held.pop(session_id, None)
-        for req in live:
-            req.session_id = None
-        self.session_stats.sessions_ended += 1
-
-    def expire_sessions(self) -> int:
-        """End sessions idle longer than `session_idle_s` now; returns how many ended."""
-        return self._expire(self.clock())
-
-    def _discard_idle(self, session_id: Hashable) -> None:
-        session = self._sessions.pop(session_id, None)
-        if session is not None:
-            self._session_bytes -= session.bytes
-
-    def _park(self, rid: Hashable, req: _Request) -> None:
-        """Keep a stopped request's tree as its session's state (the latest stop wins)."""
-        session_id = req.session_id
-        if self._held.get(session_id) == rid:
-            del self._held[session_id]
-        self._discard_idle(session_id)
-        size = _tree_bytes(req.tree)
-        self._sessions[session_id] = _Session(tree=req.tree, last_used=self.clock(), bytes=size)
-        self._session_bytes += size
-        self._expire(self._sessions[session_id].last_used)
-        self._enforce_session_limits()
-
-    def _expire(self, now: float) -> int:
-        if self.session_idle_s is None:
-            return 0
-        expired = 0
-        while self._sessions:
-            session_id, session = next(iter(self._sessions.items()))
-            if now - session.last_used <= self.session_idle_s:
-                break  # least recently used first: the rest are fresher
-            del self._sessions[session_id]
-            self._session_bytes -= session.bytes
-            expired += 1
-        self.session_stats.sessions_expired += expired
-        return expired
-
-    def _enforce_session_limits(self) -> None:
-        def over() -> bool:
-            if self.max_sessions is not None and len(self._sessions) > self.max_sessions:
-                return True
-            return self.max_session_bytes is not None and self._session_bytes > self.max_session_bytes
-
-        while self._sessions and over():
-            _, session = self._sessions.popitem(last=False)
-            self._session_bytes -= session.bytes
-            self.session_stats.sessions_evicted += 1
-
     # ------------------------------------------------------------ global tree
     def _insert(self, rid: Hashable, response: Sequence[int]) -> None:
         seq_id = self._next_seq_id
         self._next_seq_id += 1
-        self.global_tree.add(seq_id, response)
+        self.global_tree.add(seq_id, shared_ids(self.global_tree, response))
         self._cached[rid] = seq_id
         self._enforce_limits(keep=rid)
 
+    def _responses(self) -> Iterator[tuple[Hashable, list[int]]]:
+        """(request id, output tokens) of each cached response, oldest first."""
+        for rid, seq_id in self._cached.items():
+            yield rid, self.global_tree.tokens(seq_id)
+
     def evict(self, rid: Hashable) -> None:
-        """Drop one cached response from the global tree."""
+        """Drop one cached response from the global tree (cost: that response's own suffixes)."""
         seq_id = self._cached.pop(rid, None)
         if seq_id is None:
             raise ValueError(f"request {rid!r} has no cached response")
         self.global_tree.remove(seq_id)
+        self._evicted += 1
 
     def _enforce_limits(self, keep: Hashable) -> None:
         def over() -> bool:
@@ -379,8 +280,8 @@ class SuffixCache:
 
     @property
     def estimated_bytes(self) -> int:
-        """Estimated memory of the global tree."""
-        return _tree_bytes(self.global_tree)
+        """Estimated memory of the global tree and its responses (what `max_memory_bytes` caps)."""
+        return global_tree_bytes(self.global_tree, len(self._cached), self._evicted)
 
     # ----------------------------------------------------------------- drafting
     def speculate(
@@ -479,6 +380,18 @@ class SuffixCache:
             raise ValueError(f"request {rid!r} is not active (call start_request first)")
         return req
 
+    def max_token_id(self) -> int | None:
+        """The largest token id the cache holds (responses and idle sessions); None when it holds none.
+
+        A cache is only valid for the vocabulary it was built with: a loader compares this with the
+        model's vocabulary size before drafting from it."""
+        largest = None
+        for _, seq in (*self._responses(), *self._idle_session_tokens()):
+            if seq:
+                top = max(seq)
+                largest = top if largest is None or top > largest else largest
+        return largest
+
     # -------------------------------------------------------------- persistence
     def save(self, path: str | os.PathLike) -> None:
         """Write the cache: config, cached responses (oldest first), then idle sessions (least recent first).
@@ -490,90 +403,17 @@ class SuffixCache:
         The file is written to a temporary name and renamed, so a crash never leaves
         a truncated cache behind.
         """
-        path = Path(path)
-        rids, lengths, tokens = [], [], array.array("i")
-        for rid, seq_id in self._cached.items():
-            seq = self.global_tree.tokens(seq_id)
-            rids.append(rid)
-            lengths.append(len(seq))
-            tokens.extend(seq)
-        session_ids, session_lengths = [], []
-        for session_id, session in self._sessions.items():
-            seq = session.tree.tokens(0)
-            session_ids.append(session_id)
-            session_lengths.append(len(seq))
-            tokens.extend(seq)
-        header: dict[str, Any] = {"format": _FILE_MAGIC, "version": _FILE_VERSION}
-        header.update({key: getattr(self, key) for key in _CONFIG_KEYS})
-        header.update(request_ids=rids, lengths=lengths, session_ids=session_ids, session_lengths=session_lengths)
-        try:
-            header_line = json.dumps(header).encode() + b"\n"
-        except TypeError as exc:
-            raise ValueError(f"cached request and session ids must be JSON values to be saved: {exc}") from None
-        if array.array("i").itemsize != 4:  # pragma: no cover - every CPython platform we run on
-            raise RuntimeError("int32 arrays are required to save a suffix cache")
-        if sys.byteorder != "little":  # pragma: no cover
-            tokens.byteswap()
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "wb") as fh:
-            fh.write(header_line)
-            fh.write(tokens.tobytes())
-        os.replace(tmp, path)
+        write_cache(self, path)
 
     @classmethod
     def load(cls, path: str | os.PathLike, **overrides: Any) -> SuffixCache:
         """Rebuild a cache written by `save`; keyword arguments override its config (and set `clock`).
 
         Loaded sessions count as used at load time (idle clocks do not survive a
-        restart). JSON stores tuple ids as lists; they come back as tuples.
+        restart). JSON stores tuple ids as lists; they come back as tuples. Files
+        written before the memory cap had a default load with today's default.
         """
-        path = Path(path)
-        with open(path, "rb") as fh:
-            header_line = fh.readline()
-            payload = fh.read()
-        try:
-            header = json.loads(header_line)
-        except ValueError:
-            raise ValueError(f"{path} is not a thinkahead suffix cache file") from None
-        if not isinstance(header, dict) or header.get("format") != _FILE_MAGIC:
-            raise ValueError(f"{path} is not a thinkahead suffix cache file")
-        if header.get("version") not in (1, _FILE_VERSION):
-            raise ValueError(f"{path}: unsupported suffix cache version {header.get('version')!r}")
-        tokens = array.array("i")
-        tokens.frombytes(payload)
-        if sys.byteorder != "little":  # pragma: no cover
-            tokens.byteswap()
-        lengths = header["lengths"]
-        session_ids = header.get("session_ids", [])
-        session_lengths = header.get("session_lengths", [])
-        if (
-            sum(lengths) + sum(session_lengths) != len(tokens)
-            or len(lengths) != len(header["request_ids"])
-            or len(session_lengths) != len(session_ids)
-        ):
-            raise ValueError(f"{path} is truncated or corrupt: lengths do not match the tokens")
-        config = {k: header[k] for k in _CONFIG_KEYS if k in header}
-        config.update(overrides)
-        cache = cls(**config)
-        offset = 0
-        for rid, n in zip(header["request_ids"], lengths):
-            cache._insert(_hashable(rid), tokens[offset:offset + n].tolist())
-            offset += n
-        if cache.max_sessions != 0:
-            now = cache.clock()
-            for session_id, n in zip(session_ids, session_lengths):
-                tree = _build(cache._request_depth, tokens[offset:offset + n].tolist())
-                size = _tree_bytes(tree)
-                cache._sessions[_hashable(session_id)] = _Session(tree=tree, last_used=now, bytes=size)
-                cache._session_bytes += size
-                offset += n
-            cache._enforce_session_limits()
-        return cache
-
-
-def _hashable(value: Any) -> Hashable:
-    """A JSON-decoded id with lists turned back into tuples."""
-    return tuple(_hashable(v) for v in value) if isinstance(value, list) else value
+        return read_cache(cls, path, overrides)
 
 
 def _check_draft_args(max_tokens: int, max_spec_factor: float, min_token_prob: float) -> None:
@@ -604,18 +444,6 @@ def _tree_of_chains(chains: list[tuple[int, list[int]]], source: str) -> Draft:
     return Draft(
         token_ids=tokens, parents=parents, probs=probs, score=float(len(tokens)), match_len=match_len, source=source
     )
-
-
-def _build(max_depth: int, tokens: list[int]) -> SuffixTree:
-    """A request tree (one live sequence, id 0) over `tokens`."""
-    tree = SuffixTree(max_depth)
-    tree.extend(0, tokens)
-    return tree
-
-
-def _tree_bytes(tree: SuffixTree) -> int:
-    """Estimated memory of a tree (see NODE_BYTES, TOKEN_BYTES)."""
-    return tree.num_nodes * NODE_BYTES + tree.num_tokens * TOKEN_BYTES
 
 
 def prompt_extension(old: list[int], prompt_ids: Sequence[int]) -> list[int] | None:

@@ -30,6 +30,7 @@ from typing import Sequence
 import heapq
 
 from thinkahead.token_spec.draft import Draft
+from thinkahead.token_spec.suffix_eviction import CountOrder, remove_sequence
 
 # A position in the tree: a node and how many tokens of its edge are consumed.
 Position = tuple["_Node", int]
@@ -80,6 +81,9 @@ class SuffixTree:
         self.version = 0  # bumped on every change, so callers can invalidate positions
         self._live: dict[int, _LiveSequence] = {}
         self._done: dict[int, list[int]] = {}
+        # Wide nodes' children by count, kept once a removal needed them (suffix_eviction), and their size.
+        self._orders: dict[_Node, CountOrder] = {}
+        self._order_entries = 0
 
     # ----------------------------------------------------------------- building
     def __contains__(self, seq_id: int) -> bool:
@@ -134,6 +138,7 @@ class SuffixTree:
         seq.append(token)
         root = self.root
         root.count += 1
+        orders = self._orders  # empty unless sequences were removed
         advanced: list[_Node] = []
         keep = advanced.append
         live.cursors.append(root)  # the new one-token suffix starts at the root
@@ -155,6 +160,9 @@ class SuffixTree:
             if child is None:
                 leaf = _Node(seq, index, 1, 1, index)
                 children[token] = leaf
+                if orders and node in orders:
+                    orders[node].add(leaf)
+                    self._order_entries += 1
                 self.num_nodes += 1
                 keep(leaf)
                 continue
@@ -188,11 +196,15 @@ class SuffixTree:
                 upper.children = {child.seq[child.start]: child}
                 upper.best = child
                 children[token] = upper
+                if orders and node in orders:
+                    orders[node].replace(child, upper, upper.count)
                 if node.best is child:
                     node.best = upper
                 self.num_nodes += 1
                 child = upper
             child.count += 1
+            if orders and node in orders:
+                orders[node].bump(child, child.count - 1)
             child.prev = child.last  # each landing is a new occurrence, in sequence order
             child.last = index
             best = node.best
@@ -209,6 +221,8 @@ class SuffixTree:
                 node.length += child.length
                 node.children = child.children
                 node.best = child.best
+                if orders and child in orders:
+                    orders[node] = orders.pop(child)
                 node.last, node.prev = child.last, child.prev
                 self.num_nodes -= 1
                 keep(node)
@@ -219,49 +233,13 @@ class SuffixTree:
         live.cursors = advanced
 
     def remove(self, seq_id: int) -> None:
-        """Remove a finished sequence and every count it contributed."""
+        """Remove a finished sequence and every count it contributed (cost: its own suffixes only)."""
         seq = self._done.pop(seq_id, None)
         if seq is None:
             if seq_id in self._live:
                 raise ValueError(f"sequence {seq_id!r} is live; finish it before removing it")
             raise ValueError(f"sequence {seq_id!r} is not in the tree")
-        depth_cap = self.max_depth
-        n = len(seq)
-        for j in range(n):
-            self.root.count -= 1
-            node = self.root
-            pos = j
-            end = min(n, j + depth_cap)
-            while pos < end:
-                token = seq[pos]
-                child = node.children[token]
-                child.count -= 1
-                if child.count == 0:
-                    del node.children[token]
-                    self.num_nodes -= self._subtree_size(child)
-                    if not node.children:
-                        node.children = None
-                        node.best = None
-                    elif node.best is child:
-                        node.best = max(node.children.values(), key=_count)
-                    break
-                if node.best is child:
-                    node.best = max(node.children.values(), key=_count)
-                pos += child.length
-                node = child
-        self.num_tokens -= n
-        self.version += 1
-
-    @staticmethod
-    def _subtree_size(node: _Node) -> int:
-        size = 0
-        stack = [node]
-        while stack:
-            n = stack.pop()
-            size += 1
-            if n.children:
-                stack.extend(n.children.values())
-        return size
+        remove_sequence(self, seq)
 
     # ----------------------------------------------------------------- matching
     def advance_positions(self, positions: list[Position], token: int) -> list[Position]:
@@ -424,10 +402,6 @@ class SuffixTree:
             return Draft()
         tokens, parents, probs, score = best
         return Draft(token_ids=tokens, parents=parents, probs=probs, score=score, match_len=best_m)
-
-
-def _count(node: _Node) -> int:
-    return node.count
 
 
 def _step(node: _Node, off: int, token: int) -> Position | None:

@@ -46,8 +46,9 @@ class SamplingParams:
 
 
 @dataclass(slots=True)
-class Verdict:
-    """Accepted draft node indices (a root-to-node path) and the token that follows them."""
+class Acceptance:
+    """What verification kept of a draft: the accepted node indices (a root-to-node path) and the
+    bonus token that follows them (the target's own choice where the draft stops or first fails)."""
 
     accepted: list[int]
     bonus: int
@@ -77,7 +78,7 @@ def children_of(parents: list[int]) -> dict[int, list[int]]:
     return children
 
 
-def verify_greedy(logits: torch.Tensor, draft: Draft) -> Verdict:
+def verify_greedy(logits: torch.Tensor, draft: Draft) -> Acceptance:
     """Accept the longest path whose tokens are the target's argmax, plus the next argmax."""
     argmax = logits.argmax(dim=-1).tolist()
     children = children_of(draft.parents)
@@ -87,7 +88,7 @@ def verify_greedy(logits: torch.Tensor, draft: Draft) -> Verdict:
         want = argmax[node + 1]
         nxt = next((c for c in children.get(node, ()) if draft.token_ids[c] == want), None)
         if nxt is None:
-            return Verdict(accepted, want)
+            return Acceptance(accepted, want)
         accepted.append(nxt)
         node = nxt
 
@@ -97,7 +98,7 @@ def verify_sampling(
     draft: Draft,
     params: SamplingParams,
     generator: torch.Generator | None = None,
-) -> Verdict:
+) -> Acceptance:
     """Recursive rejection sampling over the draft tree (lossless for any proposal)."""
     probs = target_probs(logits, params)
     q = draft.q
@@ -130,7 +131,7 @@ def verify_sampling(
                 break
             p /= total
         if not moved:
-            return Verdict(accepted, int(torch.multinomial(p, 1, generator=generator)))
+            return Acceptance(accepted, int(torch.multinomial(p, 1, generator=generator)))
 
 
 def _uniform(generator: torch.Generator | None) -> float:

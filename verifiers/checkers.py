@@ -2,7 +2,7 @@
 
 Step-level speculation (SpecReason, Arbitrage, self-consistency votes) and every benchmark need a
 cheap, deterministic "is this final answer correct?" that does not call a model. This module is
-that piece of the `verifiers` package (DESIGN.md: `AnswerChecker.check(answer, reference) -> bool`):
+that piece of the `verifiers` package (docs/architecture.md: `AnswerChecker.check(answer, reference) -> bool`):
 
 - `MathChecker`: pulls the final answer out of a chain of thought (`\\boxed{}`, "Answer:",
   GSM8K "#### N", else the last number) and compares it with the reference after normalising the

@@ -95,7 +95,7 @@ class AgreementVerifier:
         if first_bad is not None:
             kept = "".join(t.text for t in tokens[:first_bad])
             rejoins = step.startswith(kept)  # token texts may not rejoin into the step
-            details["keep_chars"] = float(len(kept) if rejoins else 0)
+            details["keep_chars"] = len(kept) if rejoins else 0  # an int: a character count
             correction = tokens[first_bad].top_text if rejoins else ""
         return Verdict(score=9.0 * math.exp(-worst), accept=first_bad is None, time_s=time.perf_counter() - t0,
                        details=details, correction=correction)

@@ -2,7 +2,9 @@
 
 The model continues a transcript in the ReAct format; generation stops before "Observation:",
 the named tool runs on the argument, and its result is appended. The loop ends at
-"Final Answer:" or after `max_turns` tool calls. Each tool call runs off the event loop with a
+"Final Answer:" or after `max_turns` tool calls, or at a call of a client tool (one the caller runs,
+e.g. a function of an OpenAI chat request): the run then ends with the call in `observe["pending"]`,
+and a later run continues from the transcript (input `transcript`) with the tool's result. Each tool call runs off the event loop with a
 time limit (`tool_timeout_s`, see `thinkahead.workflows.tools.call_tool`): a slow tool never stalls
 the other runs, and one past the limit is an "error: ..." observation.
 """
@@ -39,31 +41,35 @@ def parse_turn(text: str) -> tuple[str, str] | str | None:
 
 
 def react(*, tools: dict[str, Callable[[str], str]] | None = None, max_turns: int = 6, tier: str = "large",
-          max_tokens: int = 160, tool_timeout_s: float = TOOL_TIMEOUT_S) -> StepGraph:
+          max_tokens: int = 160, tool_timeout_s: float = TOOL_TIMEOUT_S,
+          client_tools: dict[str, Callable[[str], str | None]] | None = None) -> StepGraph:
     """question -> (act -> observe) until a final answer, at most `max_turns` times -> answer.
 
     `tool_timeout_s`: the seconds one tool call may run before its observation is a timeout error.
+    `client_tools`: tools the caller runs; each function checks a call's argument and returns an
+    error (the observation) or None, which ends the run with the call pending.
     """
     try:
         timeout_s = check_timeout(tool_timeout_s)
     except ValueError as exc:
         raise GraphError(str(exc)) from None
-    tools = dict(DEFAULT_TOOLS if tools is None else tools)
-    if not tools:
+    client = dict(client_tools or {})
+    tools = dict(DEFAULT_TOOLS if tools is None and not client else tools or {})
+    if not tools and not client:
         raise GraphError("react needs at least one tool")
-    for name, fn in tools.items():
+    for name, fn in {**tools, **client}.items():
         if not re.fullmatch(r"[A-Za-z_][\w-]*", name) or not callable(fn):
             raise GraphError(f"tool {name!r} must have a word name and be callable")
     listing = "\n".join(f"- {name}: {(fn.__doc__ or '').strip().splitlines()[0] if fn.__doc__ else name}"
-                        for name, fn in tools.items())
+                        for name, fn in {**tools, **client}.items())
 
     def act_prompt(state: dict) -> list[dict[str, str]]:
         user = INSTRUCTIONS.format(tools=listing, question=state["question"])
-        transcript = (state.get("observe") or {}).get("transcript", "")
+        transcript = (state.get("observe") or {}).get("transcript", state.get("transcript", ""))
         return [{"role": "user", "content": user}, {"role": "assistant", "content": transcript + "Thought:"}]
 
     async def observe(state: dict) -> dict:
-        previous = state.get("observe") or {"transcript": "", "final": None, "calls": 0}
+        previous = state.get("observe") or {"transcript": state.get("transcript", ""), "final": None, "calls": 0}
         # the model's text exactly as generated, so the next prompt extends this one token for token
         act = state["act"]
         text = act.lstrip() if act.lstrip().startswith("Thought:") else "Thought:" + act
@@ -73,8 +79,14 @@ def react(*, tools: dict[str, Callable[[str], str]] | None = None, max_turns: in
             return {"transcript": transcript, "final": parsed, "calls": previous["calls"]}
         if parsed is None:
             observation = "error: no action; write Action: tool_name[input] or Final Answer: ..."
+        elif parsed[0] in client:
+            problem = client[parsed[0]](parsed[1])
+            if problem is None:  # the caller runs it: the run ends here, the call pending
+                pending = {"tool": parsed[0], "input": parsed[1]}
+                return {"transcript": transcript, "final": None, "calls": previous["calls"] + 1, "pending": pending}
+            observation = f"error: {problem}"
         elif parsed[0] not in tools:
-            observation = f"error: unknown tool {parsed[0]!r}; tools: {', '.join(tools)}"
+            observation = f"error: unknown tool {parsed[0]!r}; tools: {', '.join([*tools, *client])}"
         else:
             observation = await call_tool(parsed[0], tools[parsed[0]], parsed[1], timeout_s=timeout_s)
         transcript += f"Observation: {observation}\n"
@@ -85,7 +97,8 @@ def react(*, tools: dict[str, Callable[[str], str]] | None = None, max_turns: in
         return final if final is not None else None
 
     g = StepGraph("react", inputs=["question"], output="answer")
-    g.add_loop("turns", max_iters=max_turns, condition=lambda s: (s.get("observe") or {}).get("final") is None)
+    g.add_loop("turns", max_iters=max_turns, condition=lambda s: (s.get("observe") or {}).get("final") is None
+               and "pending" not in (s.get("observe") or {}))
     g.add_generate("act", act_prompt, tier=tier, inputs=["question"], max_tokens=max_tokens, stop=["Observation:"],
                    strip=False)
     g.add_tool("observe", observe, inputs=["act"])

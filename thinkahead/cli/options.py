@@ -9,8 +9,9 @@ from typing import Any
 import click
 
 from thinkahead.models.weights import DTYPES
+from thinkahead.step_spec.policies import POLICY_NAMES
 
-POLICIES = ("large", "small", "specreason", "arbitrage", "reflect")
+POLICIES = POLICY_NAMES  # the registry's policies for batch runs (run, bench, serve)
 
 EXIT_OK, EXIT_RUNS_FAILED, EXIT_INPUT = 0, 1, 2  # docs/cli.md "Exit codes"
 
@@ -123,7 +124,8 @@ def build_settings(config_path, small, large, dtype, threshold, max_steps, max_t
 
 
 def quiet_loading() -> None:
-    """No per-tensor progress bars from transformers while GGUF weights convert."""
+    """No per-tensor progress bars from transformers while GGUF weights convert (`load_causal_lm`'s bar
+    per converting model still shows: it passes `disable` itself)."""
     from functools import partialmethod
 
     import tqdm
@@ -134,11 +136,33 @@ def quiet_loading() -> None:
     hf_logging.disable_progress_bar()
 
 
+def first_loads(models: list[tuple[str, str]]) -> list[str]:
+    """The local model specs that will convert on this start (the weight cache is on and has no entry)."""
+    from thinkahead.models.loader import REMOTE_PREFIXES
+    from thinkahead.models.specs import resolve_model_spec
+    from thinkahead.models.weight_cache import cache_enabled
+    from thinkahead.models.weights import is_weight_cached
+
+    if not cache_enabled():
+        return []
+    first: dict[str, None] = {}
+    for spec, dtype in models:
+        if spec.startswith(REMOTE_PREFIXES) or resolve_model_spec(spec).kind == "hf":  # hub models are not cached
+            continue
+        if not is_weight_cached(spec, dtype):
+            first[spec] = None
+    return list(first)
+
+
 def load_models(orch) -> None:
     """Load both models now (quietly), so the progress clock starts with the first run."""
     quiet_loading()
     c = orch.config
     click.echo(f"loading {c.small.spec} and {c.large.spec} ({c.large.dtype}) ...", err=True)
+    first = first_loads([(c.small.spec, c.small.dtype), (c.large.spec, c.large.dtype)])
+    if first:
+        click.echo(f"first start: converting {' and '.join(first)} once (minutes); later starts load them "
+                   "from the weight cache in seconds", err=True)
     t0 = time.perf_counter()
     orch.runtime  # noqa: B018 - builds the runtime, which loads the models
     click.echo(f"models ready in {time.perf_counter() - t0:.0f}s", err=True)

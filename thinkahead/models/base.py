@@ -15,6 +15,8 @@ from contextvars import ContextVar
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from thinkahead.token_spec.stats import SpecStats
+
 
 @dataclass(slots=True)
 class GenerationRequest:
@@ -55,8 +57,11 @@ class GenerationRequest:
 class Completion:
     """What a generation returns: text, ids, why it ended, what it cost, and speculation stats.
 
-    `spec` uses SGLang's names (`spec_verify_ct`, `spec_num_proposed_drafts`,
-    `spec_num_correct_drafts`, `spec_accept_length`) whatever the backend.
+    Stops follow OpenAI and SGLang: `text` ends right before the stop string that ended the
+    generation and `matched_stop` names it (None for a stop token or the length limit);
+    `text_with_stop` is the text through it. `spec` is a typed `SpecStats` with SGLang's names
+    (`spec_verify_ct`, `spec_num_proposed_drafts`, `spec_num_correct_drafts`, `spec_accept_length`)
+    whatever the backend; all zero where a backend reports no speculation.
     """
 
     text: str
@@ -69,10 +74,17 @@ class Completion:
     time_s: float = 0.0
     first_token_s: float = 0.0
     model: str = ""
-    spec: dict[str, float] = field(default_factory=dict)
+    spec: SpecStats = field(default_factory=SpecStats)
+
+    @property
+    def text_with_stop(self) -> str:
+        """The text through the stop string that ended it (the whole step, delimiter included)."""
+        return self.text + (self.matched_stop or "")
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        out["spec"] = self.spec.spec_dict()
+        return out
 
 
 @dataclass(slots=True)
@@ -90,6 +102,17 @@ class TokenScore:
     def gap(self) -> float:
         """How many nats likelier the model's own choice is than this token (0 when it agrees)."""
         return max(0.0, self.top_logprob - self.logprob)
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    """One token of a scored sequence (`LanguageModel.token_logprobs`): its id, text and
+    log-probability, and the `top` most likely tokens at its position as (id, text, logprob)."""
+
+    token_id: int
+    text: str
+    logprob: float
+    top: list[tuple[int, str, float]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -156,6 +179,20 @@ class LanguageModel(abc.ABC):
         """Each token of `continuation` after `prompt` with the model's own top choice beside it,
         in one forward pass (agreement verifiers)."""
         raise NotImplementedError(f"{type(self).__name__} cannot score a given continuation")
+
+    async def token_logprobs(self, token_ids: list[int], start: int, top_k: int = 0) -> list[TokenLogprob]:
+        """Each token of `token_ids[start:]` scored after the ones before it (with its `top_k`
+        alternatives), in one forward pass: OpenAI-style `logprobs` of a generation or an echoed prompt."""
+        raise NotImplementedError(f"{type(self).__name__} cannot score token ids")
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of raw prompt text, for backends with a tokenizer."""
+        raise NotImplementedError(f"{type(self).__name__} has no tokenizer")
+
+    @property
+    def context_length(self) -> int | None:
+        """The most tokens (prompt and output) the model attends to; None where the backend does not say."""
+        return None
 
     def render(self, messages: list[dict[str, str]], continue_final: bool = False) -> str:
         """The raw prompt text for chat `messages` (the model's chat template where it has one)."""

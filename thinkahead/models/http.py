@@ -49,6 +49,7 @@ from typing import Any
 import httpx
 
 from thinkahead.models.base import current_call
+from thinkahead.models.errors import ThinkaheadError
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ _MAY_HAVE_ARRIVED = "not resent: the request may have reached the server"
 _PROCESSED = "not resent: the server had the request and may have run it"
 
 
-class ModelServerError(RuntimeError):
+class ModelServerError(ThinkaheadError, RuntimeError):
     """A model server could not be reached, failed, or answered something unusable.
 
     `status` is the HTTP status of the last reply (None when there was no reply: connection error

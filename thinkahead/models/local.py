@@ -16,9 +16,10 @@ import threading
 from typing import Any
 
 from thinkahead.models.base import (
-    Completion, GenerationRequest, LanguageModel, TokenScore, encode_prompt, prompt_text, render_chat,
+    Completion, GenerationRequest, LanguageModel, TokenLogprob, TokenScore, encode_prompt, prompt_text,
+    render_chat,
 )
-from thinkahead.token_spec.drafters import common_prefix_len
+from thinkahead.token_spec.names import common_prefix_len
 from thinkahead.token_spec.recording import TokenRecorder
 
 # Chat-turn end markers of the supported families, used as stop tokens next to the eos token.
@@ -123,11 +124,7 @@ class LocalModel(LanguageModel):
             if self.recorder is not None:
                 self.recorder.record(self.name, request.session_id, ids, result.token_ids)
         stats = result.stats
-        spec = {
-            k: v for k, v in stats.to_dict().items()
-            if k.startswith("spec_") or k in ("draft_time_s", "verify_time_s", "prefill_time_s")
-        }
-        matched = result.matched_stop if isinstance(result.matched_stop, str) else None
+        matched = result.matched_stop if isinstance(result.matched_stop, str) else None  # a stop token is no stop string
         return Completion(
             text=result.text,
             token_ids=result.token_ids,
@@ -139,7 +136,7 @@ class LocalModel(LanguageModel):
             time_s=stats.total_time_s,
             first_token_s=stats.first_token_s,
             model=self.name,
-            spec=spec,
+            spec=stats,
         )
 
     def next_token_logprobs_sync(self, prompt: str, top_k: int = 20) -> dict[str, float]:
@@ -187,14 +184,42 @@ class LocalModel(LanguageModel):
                                   self.tokenizer.decode([own], skip_special_tokens=True)))
         return out
 
-    def _continuation_rows(self, prompt: str, continuation: str):
-        """(continuation ids, their log-probabilities, the log-softmax rows predicting them): one forward."""
+    async def token_logprobs(self, token_ids: list[int], start: int, top_k: int = 0) -> list[TokenLogprob]:
+        return await asyncio.to_thread(self.token_logprobs_sync, token_ids, start, top_k)
+
+    def token_logprobs_sync(self, token_ids: list[int], start: int, top_k: int = 0) -> list[TokenLogprob]:
+        """`token_ids[start:]` scored after the tokens before each, in one forward (as `continuation_logprobs`)."""
         import torch
 
+        ids = [int(t) for t in token_ids]
+        if not 0 < start < len(ids) or top_k < 0:
+            raise ValueError(f"token_logprobs needs 0 < start < len(token_ids) and top_k >= 0, got {start}, {top_k}")
+        chosen, logprobs = self._rows(ids, start)
+        top = torch.topk(logprobs, min(top_k, logprobs.shape[-1])) if top_k else None
+        out = []
+        for i, (t, lp) in enumerate(zip(ids[start:], chosen.tolist())):
+            alts = [] if top is None else [(int(a), self.tokenizer.decode([int(a)]), float(v))
+                                           for v, a in zip(top.values[i].tolist(), top.indices[i].tolist())]
+            out.append(TokenLogprob(t, self.tokenizer.decode([t]), float(lp), alts))
+        return out
+
+    @property
+    def context_length(self) -> int | None:
+        return getattr(self.engine.model.config, "max_position_embeddings", None)
+
+    def _continuation_rows(self, prompt: str, continuation: str):
+        """(continuation ids, their log-probabilities, the log-softmax rows predicting them): one forward."""
         ids = self.encode(prompt + continuation)
         start = common_prefix_len(self.encode(prompt), ids)  # the boundary token may merge across the two
         if start == 0 or start >= len(ids):
             raise ValueError("scoring a continuation needs a non-empty prompt and continuation")
+        chosen, logprobs = self._rows(ids, start)
+        return ids[start:], chosen, logprobs
+
+    def _rows(self, ids: list[int], start: int):
+        """(log-probabilities of `ids[start:]`, the log-softmax rows predicting them): one forward."""
+        import torch
+
         with self._lock, torch.inference_mode():
             session, cached = self.prefix_pool.acquire(ids[:start])
             logits = self.engine.forward(session, ids[cached:])
@@ -202,7 +227,7 @@ class LocalModel(LanguageModel):
         # row i of `logits` predicts ids[cached + i + 1]
         logprobs = torch.log_softmax(logits[start - 1 - cached : len(ids) - 1 - cached].float(), dim=-1)
         targets = torch.tensor(ids[start:], dtype=torch.long)
-        return ids[start:], logprobs.gather(1, targets[:, None])[:, 0], logprobs
+        return logprobs.gather(1, targets[:, None])[:, 0], logprobs
 
     def encode(self, text: str) -> list[int]:
         """Token ids of raw prompt text; a BOS token is added only where the tokenizer wants one."""

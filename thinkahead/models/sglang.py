@@ -5,8 +5,8 @@ because it carries what the orchestrator needs and the OpenAI surface hides:
 
 * `meta_info` on every reply: prompt/completion/cached token counts and, when the server runs a
   speculative algorithm (NGRAM, EAGLE, STANDALONE, our SUFFIX plugin), its stats under the names
-  the local backend uses too (`spec_verify_ct`, `spec_accept_length`, `spec_num_correct_drafts`,
-  `spec_num_proposed_drafts`, `spec_accept_rate`, ...);
+  the local backend uses too (`spec_verify_ct`, `spec_num_correct_drafts`, `spec_num_proposed_drafts`;
+  `spec_accept_length` and `spec_accept_rate` are recomputed from them by `SpecStats`, as SGLang does);
 * judge calls that keep the radix prefix cache: SGLang reuses no cached prefix beyond
   `logprob_start_len` (`Req._compute_max_prefix_len` in `sglang/srt/managers/schedule_batch.py`),
   so `next_token_logprobs` sends the prompt as token ids with `logprob_start_len = len(ids) - 1`:
@@ -39,6 +39,7 @@ from thinkahead.models.base import (
     resolve_tokenizer,
 )
 from thinkahead.models.http import DEFAULT_CALL_TIMEOUT_S, HttpClient, ModelServerError, bearer_headers
+from thinkahead.token_spec.stats import SPEC_COUNTERS, SpecStats
 
 FINISH_TYPES = ("stop", "length")
 
@@ -177,7 +178,7 @@ class SGLangModel(LanguageModel):
 
     async def _score_continuation(self, prompt: str, continuation: str, top: bool) -> tuple[dict[str, Any], int]:
         """One prefill of prompt + continuation with input logprobs from the continuation on."""
-        from thinkahead.token_spec.drafters import common_prefix_len
+        from thinkahead.token_spec.names import common_prefix_len
 
         if not isinstance(continuation, str) or not continuation:
             raise ValueError("scoring a continuation needs a non-empty continuation")
@@ -327,24 +328,41 @@ class SGLangModel(LanguageModel):
         matched_stop = matched if finish["type"] == "stop" and isinstance(matched, str) else None
         ids = reply.get("output_ids")
         token_ids = [int(i) for i in ids] if isinstance(ids, list) and all(_is_int(i) for i in ids) else []
+        prompt_tokens = _int(meta.get("prompt_tokens"), self.count_tokens(prompt))
+        completion_tokens = _int(meta.get("completion_tokens"), len(token_ids) or self.count_tokens(text))
+        cached_tokens = _int(meta.get("cached_tokens"), 0)
         return Completion(
             text=text,
             token_ids=token_ids,
             finish_reason=finish["type"],
             matched_stop=matched_stop,
-            prompt_tokens=_int(meta.get("prompt_tokens"), self.count_tokens(prompt)),
-            completion_tokens=_int(meta.get("completion_tokens"), len(token_ids) or self.count_tokens(text)),
-            cached_tokens=_int(meta.get("cached_tokens"), 0),
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            cached_tokens=cached_tokens,
             time_s=elapsed,
             first_token_s=first_token_s,
             model=self.name,
-            spec=spec_stats(meta),
+            spec=spec_stats(meta, completion_tokens, prompt_tokens, cached_tokens),
         )
 
 
-def spec_stats(meta: Mapping[str, Any]) -> dict[str, float]:
-    """The numeric speculative stats of a meta_info (`spec_*`; histograms are left out)."""
-    return {k: float(v) for k, v in meta.items() if k.startswith("spec_") and _is_number(v)}
+def spec_stats(meta: Mapping[str, Any], completion_tokens: int | None = None, prompt_tokens: int | None = None,
+               cached_tokens: int | None = None) -> SpecStats:
+    """The speculative stats of a meta_info, typed; all zero when the server runs no speculative algorithm.
+
+    The token counts default to the meta_info's own. SGLang's derived fields (`spec_accept_length`,
+    `spec_accept_rate`) are `SpecStats` properties, computed from the counters as SGLang computes
+    them; histograms are left out.
+    """
+    counts = {k: int(meta[k]) for k in SPEC_COUNTERS if _is_number(meta.get(k))}
+    if not counts:
+        return SpecStats()
+    return SpecStats(
+        prompt_tokens=_int(meta.get("prompt_tokens"), 0) if prompt_tokens is None else prompt_tokens,
+        completion_tokens=_int(meta.get("completion_tokens"), 0) if completion_tokens is None else completion_tokens,
+        cached_tokens=_int(meta.get("cached_tokens"), 0) if cached_tokens is None else cached_tokens,
+        **counts,
+    )
 
 
 def _meta(reply: dict[str, Any]) -> dict[str, Any]:

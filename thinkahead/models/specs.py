@@ -15,7 +15,7 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 SPEC_FORMS = (
     "a registry name ({names})",
     "gguf:PATH (a .gguf file)",
-    "hf:ORG/NAME (a Hugging Face hub id)",
+    "hf:ORG/NAME or ORG/NAME (a Hugging Face hub id, e.g. Qwen/Qwen2.5-0.5B-Instruct)",
     "a local model directory containing config.json",
     "a path to a .gguf file",
 )
@@ -81,4 +81,6 @@ def resolve_model_spec(spec: str) -> ModelSource:
         return ModelSource(kind="dir", location=str(path.resolve()))
     if path.suffix.lower() == ".gguf":
         return _gguf_source(spec, spec)
-    raise _bad_spec(spec, "not a registry name, prefixed spec, model directory or .gguf file")
+    if _HUB_ID.match(spec) and not path.exists():  # a plain hub id, as `launch` takes it
+        return ModelSource(kind="hf", location=spec)
+    raise _bad_spec(spec, "not a registry name, prefixed spec, model directory, hub id or .gguf file")

@@ -2,23 +2,38 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import time
+from pathlib import Path
 from typing import Any
 
-from thinkahead.models.registry import prepare
-from thinkahead.models.specs import resolve_model_spec
+from thinkahead.models.load_progress import ConversionProgress
+from thinkahead.models.registry import get_entry, prepare, prepared_path
+from thinkahead.models.specs import ModelSource, resolve_model_spec
+from thinkahead.models.weight_cache import (
+    CacheKey,
+    cache_enabled,
+    cache_root,
+    directory_digest,
+    entry_path,
+    file_digest,
+    is_complete,
+    load_entry,
+    make_key,
+    store_entry,
+)
+
+logger = logging.getLogger(__name__)
 
 DTYPES: tuple[str, ...] = ("bfloat16", "float32", "int8")
+PathArg = str | os.PathLike[str] | None
+STAGE_READ, STAGE_INT8, STAGE_STORE = "reading the weights", "converting to int8", "writing the weight cache"
 
 
 def load_tokenizer(spec: str) -> Any:
     """The tokenizer of a model spec (registry name, `hf:ORG/NAME`, directory, .gguf), no weights."""
-    source = resolve_model_spec(spec)
-    if source.registry_name is not None:
-        path = prepare(source.registry_name)
-        location, gguf_file = str(path.parent), path.name
-    else:
-        location, gguf_file = source.location, source.gguf_file
+    location, gguf_file = _locate(resolve_model_spec(spec), None, None)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(location, **({"gguf_file": gguf_file} if gguf_file else {}))
@@ -40,31 +55,110 @@ def _apply_thread_setting() -> None:
     torch.set_num_threads(threads)
 
 
+def _locate(source: ModelSource, cache_dir: PathArg, wheel_dir: PathArg) -> tuple[str, str | None]:
+    """(location, gguf file name or None) of a resolved spec; packaged models are prepared first."""
+    if source.registry_name is None:
+        return str(source.location), source.gguf_file
+    path = prepare(source.registry_name, cache_dir=cache_dir, wheel_dir=wheel_dir)
+    return str(path.parent), path.name
+
+
+def _locate_prepared(source: ModelSource, cache_dir: PathArg) -> tuple[str, str | None] | None:
+    """As `_locate`, without preparing: None for a packaged model that is not prepared yet."""
+    if source.registry_name is None:
+        return str(source.location), source.gguf_file
+    path = prepared_path(source.registry_name, cache_dir=cache_dir)
+    return None if path is None else (str(path.parent), path.name)
+
+
+def _cache_key(source: ModelSource, location: str, gguf_file: str | None, dtype: str, root: Path,
+               compute: bool = True) -> CacheKey | None:
+    """The weight-cache key of a located model, or None when it has no local identity (a hub id) or,
+    with `compute=False`, when finding it would mean hashing files."""
+    if source.registry_name is not None:
+        label, digest = source.registry_name, get_entry(source.registry_name).sha256
+    elif gguf_file is not None:
+        path = Path(location) / gguf_file
+        label, digest = path.stem, file_digest(path, root, compute)
+    elif source.kind == "dir":
+        label, digest = Path(location).name, directory_digest(Path(location), root, compute)
+    else:
+        logger.debug("%s is a hub id: its converted weights are not cached", location)
+        return None
+    return None if digest is None else make_key(label, digest, dtype)
+
+
+def weight_cache_entry(spec: str, dtype: str, cache_dir: PathArg = None) -> Path | None:
+    """The weight-cache folder `load_causal_lm(spec, dtype)` reads and writes, whether it exists or not;
+    None when it cannot be named without preparing or hashing (a packaged model not prepared yet, a
+    file not hashed yet) or the model is not cached at all (a hub id)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    source = resolve_model_spec(spec)
+    located = _locate_prepared(source, cache_dir)
+    if located is None:
+        return None
+    root = cache_root(cache_dir)
+    key = _cache_key(source, located[0], located[1], dtype, root, compute=False)
+    return None if key is None else entry_path(root, key)
+
+
+def is_weight_cached(spec: str, dtype: str, cache_dir: PathArg = None, weight_cache: bool | None = None) -> bool:
+    """Whether `load_causal_lm(spec, dtype)` would load from the weight cache (cheap: no hashing)."""
+    if not cache_enabled(weight_cache):
+        return False
+    entry = weight_cache_entry(spec, dtype, cache_dir)
+    return entry is not None and is_complete(entry)
+
+
 def load_causal_lm(
     spec: str,
     dtype: str = "bfloat16",
-    wheel_dir: str | os.PathLike[str] | None = None,
-    cache_dir: str | os.PathLike[str] | None = None,
+    wheel_dir: PathArg = None,
+    cache_dir: PathArg = None,
+    weight_cache: bool | None = None,
+    progress: bool | None = None,
 ) -> tuple[Any, Any]:
     """Resolve `spec`, prepare packaged weights if needed, and load (model, tokenizer).
 
     GGUF sources load with ``from_pretrained(DIR, gguf_file=NAME)`` (weights are unpacked to
     `dtype`); hub ids and local directories load without gguf_file. The model is in eval mode.
     `dtype="int8"` loads in bf16, then quantizes every linear layer (thinkahead/models/quantize.py).
+
+    The converted model is cached (thinkahead/models/weight_cache.py) under `cache_dir`'s
+    ``weight-cache`` folder and memory-mapped by later loads, bit-identical; `weight_cache=False`
+    (or ``THINKAHEAD_WEIGHT_CACHE=0``) converts every time. `progress`: a bar on stderr while a
+    model converts (None: only when stderr is a terminal).
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     source = resolve_model_spec(spec)
-    if source.registry_name is not None:
-        path = prepare(source.registry_name, cache_dir=cache_dir, wheel_dir=wheel_dir)
-        location, gguf_file = str(path.parent), path.name
-    else:
-        location, gguf_file = source.location, source.gguf_file
-
+    location, gguf_file = _locate(source, cache_dir, wheel_dir)
     _apply_thread_setting()
+
+    root = cache_root(cache_dir)
+    key = _cache_key(source, location, gguf_file, dtype, root) if cache_enabled(weight_cache) else None
+    if key is not None:
+        loaded = load_entry(root, key, location)
+        if loaded is not None:
+            return loaded
+    label = source.registry_name or Path(location, gguf_file or "").name
+    stages = (STAGE_READ, *((STAGE_INT8,) if dtype == "int8" else ()), *((STAGE_STORE,) if key is not None else ()))
+    with ConversionProgress(f"{label} ({dtype})", stages, cached=key is not None, enabled=progress) as bar:
+        started = time.perf_counter()
+        model, tokenizer = _convert(location, gguf_file, dtype, bar)
+        if key is not None:
+            bar.stage(STAGE_STORE)
+            store_entry(root, key, model, tokenizer, convert_s=time.perf_counter() - started)
+    return model, tokenizer
+
+
+def _convert(location: str, gguf_file: str | None, dtype: str, bar: ConversionProgress) -> tuple[Any, Any]:
+    """Load with transformers (dequantising a GGUF) and, for int8, quantize: the slow path."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    bar.stage(STAGE_READ)
     extra: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
     torch_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "int8": torch.bfloat16}[dtype]
     model = AutoModelForCausalLM.from_pretrained(location, dtype=torch_dtype, **extra)
@@ -73,5 +167,6 @@ def load_causal_lm(
     if dtype == "int8":
         from thinkahead.models.quantize import quantize_int8
 
+        bar.stage(STAGE_INT8)
         model = quantize_int8(model)
     return model, tokenizer

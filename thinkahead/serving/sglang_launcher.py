@@ -51,6 +51,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from thinkahead.errors import ThinkaheadError
+
 ALGORITHMS = ("NONE", "NGRAM", "EAGLE", "EAGLE3", "STANDALONE", "SUFFIX")
 NEEDS_DRAFT_MODEL = ("EAGLE", "EAGLE3", "STANDALONE")
 SPECULATIVE_FLAGS: dict[str, tuple[str, ...]] = {
@@ -68,7 +70,7 @@ DEFAULT_PORTS = {"small": 30000, "large": 30001}
 ROLES = ("small", "large")
 
 
-class LaunchError(RuntimeError):
+class LaunchError(ThinkaheadError, RuntimeError):
     """A server could not be started or did not become healthy; the message quotes its log."""
 
 

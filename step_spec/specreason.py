@@ -1,0 +1,226 @@
+"""`specreason`: the small model drafts each step, the large model judges it (SpecReason).
+
+The large model scores a draft 0-9 in one forward pass; below the threshold it rewrites the step.
+`judge="agreement"` replaces the judge prompt by the large model re-reading the step
+(`AgreementVerifier`): a failed step keeps its text up to the first token the large model disagrees
+with, and the large model writes the rest ("repaired"). With `repair="token"` the large model only
+puts its own token in place of the failing one (read from the same verify pass) and the small
+model drafts on, up to `max_corrections` times per step ("corrected"). With `lookahead`, the small
+model drafts step i+1 while step i is being judged, and the guess is dropped if step i is rejected.
+
+`SpecReason` is the shared spec; each run's `SpecReasonRun` owns that run's lookahead task and its
+judge, built over the run's own large model (so judge calls are charged to the run that made them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import time
+from typing import Any, Literal, get_args
+
+from pydantic import Field, field_validator
+
+from thinkahead.models.base import LanguageModel
+from thinkahead.step_spec.base import (
+    Policy,
+    PolicyOptions,
+    ScoreMode,
+    Written,
+    cancel,
+    discard,
+    outcome,
+    threshold_field,
+    with_reasoning,
+    write_step,
+)
+from thinkahead.step_spec.segment import closes_step, cut_step
+from thinkahead.step_spec.state import StepContext, StepOutcome
+from thinkahead.verifiers.judge import LLMJudge, StepVerifier, Verdict
+
+Judge = Literal["llm", "agreement"]  # the 0-9 judge prompt, or token agreement
+Repair = Literal["step", "token"]  # after a failed agreement check: the large model finishes the step, or fixes one token
+JUDGES: tuple[str, ...] = get_args(Judge)
+REPAIRS: tuple[str, ...] = get_args(Repair)
+
+
+class SpecReasonOptions(PolicyOptions):
+    """specreason's settings."""
+
+    threshold: float = threshold_field()
+    score_mode: ScoreMode = "greedy"
+    judge: Judge = Field(default="llm", description="the 0-9 judge prompt, or token agreement")
+    margin: float = Field(default=1.0, gt=0, lt=50, description="agreement: nats a checked token may trail the "
+                          "large model's choice")
+    word_margin: float | None = Field(default=None, gt=0, lt=50, description="agreement: the same for other tokens "
+                                      "(None: unchecked)")
+    repair: Repair = Field(default="step", description="agreement failure: the large model finishes the step, or "
+                           "fixes one token")
+    max_corrections: int = Field(default=8, ge=1, description="token repair: fixes per step before the large model "
+                                 "finishes it")
+    first_large_steps: int = Field(default=0, ge=0, description="the first N steps go to the large model")
+    lookahead: bool = Field(default=False, description="draft the next step while this one is judged")
+
+    @field_validator("judge", mode="before")
+    @classmethod
+    def _known_judge(cls, value: Any) -> Any:
+        if value not in JUDGES:
+            raise ValueError(f"specreason judge must be one of {', '.join(JUDGES)}, got {value!r}")
+        return value
+
+    @field_validator("repair", mode="before")
+    @classmethod
+    def _known_repair(cls, value: Any) -> Any:
+        if value not in REPAIRS:
+            raise ValueError(f"specreason repair must be one of {', '.join(REPAIRS)}, got {value!r}")
+        return value
+
+
+class SpecReason(Policy):
+    """Small model drafts, large model judges; rewrite by the large model below `threshold`.
+
+    `verifier`: any `StepVerifier` (LLM judge, PRM) instead of the one the settings describe; a run
+    sees it over its own large model when it was built over the model that run's large model wraps.
+    """
+
+    name = "specreason"
+    Options = SpecReasonOptions
+    options: SpecReasonOptions
+
+    def __init__(self, verifier: StepVerifier | None = None, **options: Any) -> None:
+        super().__init__(**options)
+        self.verifier = verifier
+
+    def make_verifier(self, large: LanguageModel) -> StepVerifier:
+        """The verifier the settings describe, over `large`."""
+        from thinkahead.verifiers.prm import AgreementVerifier
+
+        o = self.options
+        if o.judge == "agreement":
+            return AgreementVerifier(large, o.margin, o.word_margin)
+        return LLMJudge(large, o.threshold, o.score_mode)
+
+    def verifier_for(self, ctx: StepContext) -> StepVerifier:
+        """One run's verifier: the given one, seen over the run's large model; else the settings' one."""
+        from thinkahead.verifiers.prm import AgreementVerifier
+
+        given = self.verifier
+        if given is None:
+            return self.make_verifier(ctx.large)
+        model = getattr(given, "model", None)
+        if model is None or model is ctx.large:
+            return given
+        if model is getattr(ctx.large, "inner", None):  # the run's metered view of the verifier's model
+            bound = copy.copy(given)
+            bound.model = ctx.large  # type: ignore[attr-defined]
+            return bound
+        if isinstance(given, (LLMJudge, AgreementVerifier)):  # a built-in judge over another model
+            return self.make_verifier(ctx.large)
+        return given
+
+    def start(self, ctx: StepContext) -> SpecReasonRun:
+        return SpecReasonRun(self.options, self.verifier_for(ctx))
+
+
+class SpecReasonRun:
+    """One run of `SpecReason`: its judge and its lookahead guess."""
+
+    __slots__ = ("options", "verifier", "_ahead")
+
+    def __init__(self, options: SpecReasonOptions, verifier: StepVerifier) -> None:
+        self.options = options
+        self.verifier = verifier
+        self._ahead: tuple[str, asyncio.Task[Written]] | None = None  # (reasoning it continues, draft task)
+
+    async def next_step(self, ctx: StepContext) -> StepOutcome:
+        o = self.options
+        if ctx.index < o.first_large_steps:
+            return outcome(await write_step(ctx, "large"), "forced")
+        t0 = time.perf_counter()
+        draft, hit = await self._draft(ctx)
+        messages = ctx.messages()
+        if o.lookahead and not (draft.step.ends_thinking or draft.step.kind in ("final", "empty")):
+            # guess that the draft passes: draft the following step while the judge works
+            guess = with_reasoning(ctx, ctx.reasoning + draft.step.text)
+            self._ahead = (ctx.reasoning + draft.step.text, asyncio.create_task(write_step(ctx, "small", guess)))
+        verdict = await self.verifier.judge(messages, draft.step.text)
+        keep = verdict.details.get("keep_chars", 0)
+        if verdict.accept:
+            out = outcome(draft, "accepted", score=verdict.score, judge_calls=1)
+        else:
+            await self._drop_lookahead()
+            if o.repair == "token" and verdict.correction:
+                out = await self._correct(ctx, draft, verdict)
+            elif keep > 0:
+                out = await self._repair(ctx, draft, draft.step.text[:keep], verdict.score)
+            else:
+                rewrite = await write_step(ctx, "large")
+                out = discard(outcome(rewrite, "rejected", score=verdict.score, judge_calls=1), draft)
+        out.lookahead_hit = hit
+        out.time_s = time.perf_counter() - t0
+        return out
+
+    async def close(self) -> None:
+        await self._drop_lookahead()
+
+    async def _repair(self, ctx: StepContext, draft: Written, kept: str, score: float) -> StepOutcome:
+        """The large model finishes the step from the kept start of the draft."""
+        rest = await write_step(ctx, "large", with_reasoning(ctx, ctx.reasoning + kept))
+        out = discard(outcome(rest, "repaired", score=score, judge_calls=1), draft)
+        out.text = kept + out.text
+        out.discarded = draft.step.text[len(kept):]  # only the part the large model replaced
+        return out
+
+    async def _correct(self, ctx: StepContext, draft: Written, verdict: Verdict) -> StepOutcome:
+        """Token repair: the large model's own token replaces the first failing one, the small model
+        drafts the rest of the step from there, and the large model checks again; after
+        `max_corrections` fixes the large model writes what is left of the step."""
+        text, last, tokens, checks, score = "", draft, {"small": draft.tokens, "large": 0}, 1, verdict.score
+        discarded = []
+        for fixes in range(self.options.max_corrections + 1):
+            keep = verdict.details.get("keep_chars", 0)
+            discarded.append(last.step.text[keep:])
+            text += last.step.text[:keep]
+            if fixes == self.options.max_corrections or not verdict.correction:  # the large model finishes the step
+                last = await write_step(ctx, "large", with_reasoning(ctx, ctx.reasoning + text))
+                tokens["large"] += last.tokens
+                break
+            text += verdict.correction
+            tokens["large"] += 1  # the corrected token, read off the verify pass
+            if closes_step(text, ctx.segment):  # the large model's token ended the step
+                step = cut_step(text, ctx.segment)
+                out = _corrected(step.text, last, tokens, checks, score, discarded)
+                out.kind, out.ends_response = step.kind, step.ends_thinking
+                return out
+            last = await write_step(ctx, "small", with_reasoning(ctx, ctx.reasoning + text))
+            tokens["small"] += last.tokens
+            verdict = await self.verifier.judge(with_reasoning(ctx, ctx.reasoning + text), last.step.text)
+            checks += verdict.judge_calls
+            score = min(score, verdict.score)
+            if verdict.accept:
+                break
+        return _corrected(text + last.step.text, last, tokens, checks, score, discarded)
+
+    async def _draft(self, ctx: StepContext) -> tuple[Written, bool]:
+        """The small model's draft, and whether it is the lookahead guess (it continues exactly this reasoning)."""
+        if self._ahead is not None:
+            reasoning, task = self._ahead
+            self._ahead = None
+            if reasoning == ctx.reasoning:
+                return await task, True
+            await cancel(task)
+        return await write_step(ctx, "small"), False
+
+    async def _drop_lookahead(self) -> None:
+        if self._ahead is not None:
+            _, task = self._ahead
+            self._ahead = None
+            await cancel(task)
+
+
+def _corrected(text: str, last: Written, tokens: dict[str, int], checks: int, score: float,
+               discarded: list[str]) -> StepOutcome:
+    out = outcome(last, "corrected", score=score, judge_calls=checks)
+    out.text, out.tokens = text, tokens  # the author is whoever wrote the last piece
+    out.discarded = "".join(discarded)
+    return out

@@ -1,0 +1,280 @@
+"""Plain chat models: the small and the large model by their names, one generation per choice (with
+token-level speculation), as any OpenAI-compatible server answers.
+
+Honoured: `temperature` (default 1, as OpenAI's), `top_p`, `seed` (choice i uses seed + i; seeded sampling
+decodes without speculation, so that a seed gives the same text every time), `stop`,
+`max_tokens` / `max_completion_tokens` (hard caps: finish reason "length"), `n`, `logprobs` /
+`top_logprobs` (models that can score tokens), `response_format` (`json_object`, `json_schema`) and
+tools (see `thinkahead.serving.tools`). A reply that breaks its tool-call or JSON format is retried
+with the problem named (`repair_attempts` times), then answered with an error: never passed on as
+if it were valid. Streaming sends the role at once and the reply when it is generated, in OpenAI's
+chunk shapes (tool calls as `tool_calls` deltas).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from thinkahead.models.base import Completion, GenerationRequest, LanguageModel
+from thinkahead.serving.asgi import RequestError, Responder, unsupported
+from thinkahead.serving.limits import check_context
+from thinkahead.serving.schemas import ChatRequest, Message, NamedToolChoice
+from thinkahead.serving.tools import (
+    OutputError, ParsedCall, forced_prefix, json_instruction, parse_json_output, parse_tool_calls, render_prompt,
+    schema_problem, tool_dicts,
+)
+
+DEFAULT_TEMPERATURE = 1.0  # OpenAI's default when a request gives none
+SPEC_KEYS = ("spec_verify_ct", "spec_num_proposed_drafts", "spec_num_correct_drafts")
+
+
+def spec_counter(spec: Any, key: str) -> float:
+    """One speculation counter of a completion's `spec` (a `SpecStats`, or a dict from older backends)."""
+    value = spec.get(key, 0) if isinstance(spec, dict) else getattr(spec, key, 0)
+    return float(value or 0)
+
+
+@dataclass(slots=True)
+class Choice:
+    index: int
+    content: str | None
+    calls: list[ParsedCall]
+    finish_reason: str
+    logprobs: list[dict[str, Any]] | None
+    completion_tokens: int  # of the reply returned (the last attempt)
+    attempts: int = 1
+
+
+@dataclass(slots=True)
+class Spent:
+    """Every internal call of one request, summed (the `thinkahead` field)."""
+
+    calls: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    spec: dict[str, float] = field(default_factory=dict)
+
+    def add(self, c: Completion) -> None:
+        self.calls += 1
+        self.prompt_tokens += c.prompt_tokens
+        self.completion_tokens += c.completion_tokens
+        self.cached_tokens += c.cached_tokens
+        for key in SPEC_KEYS:
+            self.spec[key] = self.spec.get(key, 0) + spec_counter(c.spec, key)
+
+    def to_dict(self) -> dict[str, Any]:
+        verify = self.spec.get("spec_verify_ct", 0)
+        return {"model_calls": self.calls, "prompt_tokens": self.prompt_tokens,
+                "completion_tokens": self.completion_tokens, "cached_tokens": self.cached_tokens,
+                "spec": dict(self.spec),
+                "spec_accept_length": round(self.completion_tokens / verify, 4) if verify else None}
+
+
+def reproducible_speculation(seed: int | None, temperature: float) -> bool:
+    """Whether to speculate: always, except for seeded sampling. Speculative sampling follows the
+    model's distribution exactly, but its drafts (learnt from earlier requests) change how the seeded
+    random numbers are drawn; plain decoding makes a seed give the same text every time."""
+    return seed is None or temperature == 0
+
+
+def can_score(model: LanguageModel) -> bool:
+    return type(model).token_logprobs is not LanguageModel.token_logprobs
+
+
+class ChatJob:
+    """One chat request to one plain model: checked on construction, run by `run`."""
+
+    def __init__(self, model: LanguageModel, req: ChatRequest, *, default_max_tokens: int, repair_attempts: int) -> None:
+        self.model, self.req, self.repair_attempts = model, req, repair_attempts
+        if req.top_logprobs is not None and not req.logprobs:
+            raise RequestError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+        if req.logprobs and not can_score(model):
+            raise unsupported("logprobs", f"by model {model.name!r} (its backend cannot score tokens)")
+        self.tools = {t.function.name: t for t in req.tools or []}
+        choice = req.tool_choice if req.tool_choice is not None else ("auto" if self.tools else "none")
+        if choice in ("required", "auto") and not self.tools and req.tool_choice is not None:
+            raise RequestError(400, f"tool_choice {choice!r} needs 'tools'", param="tool_choice")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in self.tools:
+            raise RequestError(400, f"tool_choice names {choice.function.name!r}, which is not in 'tools'",
+                               param="tool_choice")
+        self.tool_choice = choice
+        self.required = choice == "required" or isinstance(choice, NamedToolChoice)
+        self.rendered_tools = tool_dicts(req.tools) if self.tools and choice != "none" else None
+        fmt = req.response_format if req.response_format is not None and req.response_format.type != "text" else None
+        if fmt is not None and self.rendered_tools:
+            raise RequestError(400, "response_format with tools is not supported: use one or the other",
+                               param="response_format", code="unsupported_parameter")
+        if fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None:
+                raise RequestError(400, "response_format json_schema needs 'json_schema'", param="response_format")
+            if fmt.json_schema.schema_ and (problem := schema_problem(fmt.json_schema.schema_)):
+                raise RequestError(400, f"response_format.json_schema.schema is not a valid JSON schema: {problem}",
+                                   param="response_format")
+        self.fmt = fmt
+        messages = list(req.messages)
+        if fmt is not None:
+            instruction = json_instruction(fmt)
+            if messages[0].role in ("system", "developer"):
+                messages[0] = Message(role="system", content=f"{messages[0].text}\n\n{instruction}")
+            else:
+                messages.insert(0, Message(role="system", content=instruction))
+        self.messages = messages
+        self.prefix = forced_prefix(choice) if self.rendered_tools else ""
+        try:
+            self.prompt = render_prompt(model, messages, self.rendered_tools) + self.prefix
+        except ValueError as exc:  # e.g. a template that refuses this order of roles
+            raise RequestError(400, f"the messages cannot be rendered for {model.name!r}: {exc}", param="messages") from None
+        self.prompt_tokens = model.count_tokens(self.prompt)
+        room = check_context(self.prompt_tokens, req.max_new, model.context_length, max_param=req.max_param)
+        self.max_new = req.max_new or (default_max_tokens if room is None else min(default_max_tokens, room))
+        self.spent = Spent()
+        self.cached_tokens = 0
+
+    async def run(self) -> list[Choice]:
+        return [await self.choice(i) for i in range(self.req.n)]
+
+    async def _generate(self, prompt: str, index: int) -> Completion:
+        req = self.req
+        temperature = DEFAULT_TEMPERATURE if req.temperature is None else req.temperature
+        completion = await self.model.generate(GenerationRequest(
+            prompt=prompt, max_new_tokens=self.max_new, temperature=temperature,
+            top_p=1.0 if req.top_p is None else req.top_p, stop=req.stops,
+            seed=None if req.seed is None else req.seed + index, session_id=req.session_id,
+            speculative=reproducible_speculation(req.seed, temperature), request_id=f"chat-{uuid.uuid4().hex[:12]}"))
+        self.spent.add(completion)
+        return completion
+
+    async def choice(self, index: int) -> Choice:
+        prompt, attempts = self.prompt, 0
+        while True:
+            attempts += 1
+            completion = await self._generate(prompt, index)
+            if index == 0 and attempts == 1:
+                self.cached_tokens = completion.cached_tokens
+            text = self.prefix + self._text(completion)
+            if completion.finish_reason == "length":  # cut by max_tokens: returned as is, marked "length"
+                return Choice(index, text, [], "length", await self._logprobs(prompt, completion),
+                              completion.completion_tokens, attempts)
+            try:
+                content, calls = self._check(text)
+            except OutputError as exc:
+                if attempts > self.repair_attempts:
+                    raise RequestError(
+                        500, f"the model's reply did not fit the request after {attempts} attempts: {exc}",
+                        type="server_error", code="invalid_model_output") from None
+                retry = [*self.messages, Message(role="assistant", content=text),
+                         Message(role="user", content=f"Your reply was not valid: {exc}. Reply again, correctly.")]
+                prompt = render_prompt(self.model, retry, self.rendered_tools) + self.prefix
+                continue
+            finish = "tool_calls" if calls else "stop"
+            return Choice(index, content, calls, finish, await self._logprobs(prompt, completion),
+                          completion.completion_tokens, attempts)
+
+    def _text(self, completion: Completion) -> str:
+        """The reply's text; with tools, special tokens kept (Qwen2.5's `<tool_call>` is one, which a
+        plain decode drops), end-of-turn tokens and a matched stop string left out."""
+        tokenizer = getattr(self.model, "tokenizer", None)
+        if not self.rendered_tools or tokenizer is None or not completion.token_ids:
+            return completion.text
+        stops = set(getattr(self.model, "stop_token_ids", ()))
+        ids = [t for t in completion.token_ids if t not in stops]
+        text = tokenizer.decode(ids, skip_special_tokens=False)
+        if completion.matched_stop and completion.matched_stop in text:
+            text = text[:text.rfind(completion.matched_stop)]
+        return text
+
+    def _check(self, text: str) -> tuple[str | None, list[ParsedCall]]:
+        if self.rendered_tools:
+            parsed = parse_tool_calls(text, self.tools, required=self.required)
+            calls = parsed.calls
+            if isinstance(self.tool_choice, NamedToolChoice):
+                calls = [c for c in calls if c.name == self.tool_choice.function.name]
+            if self.req.parallel_tool_calls is False:
+                calls = calls[:1]
+            return parsed.content, calls
+        if self.fmt is not None:
+            return parse_json_output(text, self.fmt), []
+        return text, []
+
+    async def _logprobs(self, prompt: str, completion: Completion) -> list[dict[str, Any]] | None:
+        if not self.req.logprobs:
+            return None
+        ids = list(completion.token_ids)
+        stops = set(getattr(self.model, "stop_token_ids", ()))
+        if ids and (ids[-1] in stops or completion.matched_stop is not None):
+            ids = ids[:-1]  # the end-of-turn token or the token that completed a stop string is no content
+        if not ids:
+            return []
+        prompt_ids = self.model.encode(prompt)
+        scored = await self.model.token_logprobs(prompt_ids + ids, len(prompt_ids), self.req.top_logprobs or 0)
+        return [token_entry(t.text, t.logprob, [token_entry(a, lp) for _, a, lp in t.top]) for t in scored]
+
+
+def token_entry(text: str, logprob: float, top: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    entry: dict[str, Any] = {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+    if top is not None:
+        entry["top_logprobs"] = top
+    return entry
+
+
+def tool_call_objects(calls: list[ParsedCall]) -> list[dict[str, Any]]:
+    return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+             "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+
+
+def chat_usage(job: ChatJob, choices: list[Choice], reasoning_tokens: int = 0) -> dict[str, Any]:
+    completion = sum(c.completion_tokens for c in choices)
+    return {"prompt_tokens": job.prompt_tokens, "completion_tokens": completion,
+            "total_tokens": job.prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": job.cached_tokens},
+            "completion_tokens_details": {"reasoning_tokens": reasoning_tokens}}
+
+
+async def answer_chat(job: ChatJob, out: Responder, model_name: str) -> dict[str, Any]:
+    """Run `job` and send its `chat.completion` (or its chunks); returns the usage, for metrics."""
+    req, cid, created = job.req, f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+    base = {"id": cid, "created": created, "model": model_name}
+    if not req.stream:
+        choices = await job.run()
+        usage = chat_usage(job, choices)
+        body = {**base, "object": "chat.completion", "choices": [], "usage": usage,
+                "thinkahead": {"model": job.model.name, "attempts": [c.attempts for c in choices], **job.spent.to_dict()}}
+        for c in choices:
+            message: dict[str, Any] = {"role": "assistant", "content": c.content}
+            if c.calls:
+                message["tool_calls"] = tool_call_objects(c.calls)
+            body["choices"].append({"index": c.index, "message": message, "finish_reason": c.finish_reason,
+                                    "logprobs": None if c.logprobs is None else {"content": c.logprobs}})
+        await out.json(200, body)
+        return usage
+
+    def chunk(index: int, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> dict[str, Any]:
+        return {**base, "object": "chat.completion.chunk",
+                "choices": [{"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]}
+
+    await out.start_events()
+    for i in range(req.n):
+        await out.event(chunk(i, {"role": "assistant", "content": ""}))
+    choices = []
+    for i in range(req.n):
+        c = await job.choice(i)
+        choices.append(c)
+        if c.content:
+            await out.event(chunk(i, {"content": c.content},
+                                  logprobs=None if c.logprobs is None else {"content": c.logprobs}))
+        for k, call in enumerate(tool_call_objects(c.calls)):
+            await out.event(chunk(i, {"tool_calls": [{"index": k, "id": call["id"], "type": "function",
+                                                      "function": {"name": call["function"]["name"], "arguments": ""}}]}))
+            await out.event(chunk(i, {"tool_calls": [{"index": k, "function": {
+                "arguments": call["function"]["arguments"]}}]}))
+        await out.event(chunk(i, {}, c.finish_reason))
+    usage = chat_usage(job, choices)
+    if req.stream_options is not None and req.stream_options.include_usage:
+        await out.event({**base, "object": "chat.completion.chunk", "choices": [], "usage": usage,
+                         "thinkahead": {"model": job.model.name, **job.spent.to_dict()}})
+    await out.done()
+    return usage

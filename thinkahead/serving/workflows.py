@@ -1,0 +1,252 @@
+"""Workflow models, `thinkahead/<workflow>[:<policy>]`: a chat request runs a whole workflow.
+
+The reply's `content` is the workflow's final text as the model wrote it (cot: the final step,
+"So the answer is \\boxed{391}."), the reasoning before it is in both `reasoning_content` (SGLang,
+DeepSeek) and `reasoning` (vLLM), steps keeping their separators; the extracted answer and every
+step (author, verdict, score, tokens, text) are in the `thinkahead` field. A parameter a workflow
+cannot honour (sampling settings: the step policy decides how each model samples) is a 400 that
+names it. `max_tokens` caps the reasoning chain of cot, vote and pipeline (finish reason "length"
+when the chain ran out). With `tools`, `thinkahead/react` offers them to its agent loop: a call of one
+ends the run with OpenAI `tool_calls`, and the next request, with the tool's result in its history,
+continues the loop where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+from thinkahead.orchestrator.trace import RunResult, jsonable
+from thinkahead.serving.asgi import RequestError, unsupported
+from thinkahead.serving.schemas import ChatRequest, Message, ToolDef
+from thinkahead.serving.tools import OutputError, check_schema
+from thinkahead.verifiers.checkers import normalize_math
+
+PREFIX = "thinkahead/"
+CHAIN_BUDGET_WORKFLOWS = ("cot", "vote", "pipeline")  # their `max_tokens` caps a reasoning chain
+SAMPLING_PARAMS = ("temperature", "top_p", "seed", "stop", "logprobs", "top_logprobs")
+LENGTH_STOPS = ("max_steps", "max_tokens", "max_large_calls")  # a chain stopped by its budget
+
+
+def check_workflow_request(req: ChatRequest, workflow: str, model: str) -> None:
+    """A 400 naming the first parameter the workflow cannot honour."""
+    given = req.model_fields_set
+    for name in SAMPLING_PARAMS:
+        if name in given and not (name == "logprobs" and req.logprobs is False):
+            raise unsupported(name, f"by workflow models ({model}): the step policy chooses how each model samples")
+    if req.n != 1:
+        raise unsupported("n", f"by workflow models ({model}): one run answers one request")
+    if req.response_format is not None and req.response_format.type != "text":
+        raise unsupported("response_format", f"by workflow models ({model})")
+    if req.max_new is not None and workflow not in CHAIN_BUDGET_WORKFLOWS:
+        raise unsupported(req.max_param, f"by workflow {workflow!r} (it caps the chain of "
+                                         f"{', '.join(CHAIN_BUDGET_WORKFLOWS)})")
+    if req.tools and workflow != "react":
+        raise unsupported("tools", f"by workflow {workflow!r} (thinkahead/react takes tools)")
+    if req.tool_choice not in (None, "auto", "none"):
+        raise unsupported("tool_choice", f"{req.tool_choice!r} by workflow models (only 'auto' or 'none')")
+
+
+def fold(messages: list[Message]) -> str:
+    """The workflow's question: the last message's text, after the earlier ones as context."""
+    lines = [(m.role, m.text) for m in messages]
+    context = "\n\n".join(f"{role}: {text}" for role, text in lines[:-1])
+    return f"{context}\n\n{lines[-1][1]}" if context else lines[-1][1]
+
+
+def split_history(req: ChatRequest, use_tools: bool) -> tuple[str, str]:
+    """(question, react transcript so far): tool calls and results after the last user message
+    become the transcript's Thought / Action / Observation lines."""
+    messages = req.messages
+    last_user = max((i for i, m in enumerate(messages) if m.role == "user"), default=-1)
+    if last_user < 0:
+        raise RequestError(400, "the messages need a user message (the question)", param="messages")
+    tail = messages[last_user + 1:]
+    if tail and not use_tools:
+        raise RequestError(400, f"the last message must be the user's question, got role {messages[-1].role!r}",
+                           param="messages")
+    transcript = ""
+    for m in tail:
+        if m.role == "assistant" and m.tool_calls:
+            thought = m.text.strip() or f"I will call {m.tool_calls[0].function.name}."
+            for call in m.tool_calls:
+                transcript += f"Thought: {thought}\nAction: {call.function.name}[{call.function.arguments}]\n"
+        elif m.role == "tool":
+            transcript += f"Observation: {m.text}\n"
+        else:
+            raise RequestError(400, "after the question, only assistant tool calls and tool results may follow, "
+                                    f"got role {m.role!r}", param="messages")
+    return fold(messages[:last_user + 1]), transcript
+
+
+def react_arguments(tool: ToolDef, text: str) -> dict[str, Any]:
+    """The arguments of a react `Action: name[...]`: a JSON object, or the bare text of a one-parameter tool."""
+    schema = tool.function.parameters or {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        props = list((schema.get("properties") or {}))
+        if len(props) != 1:
+            raise OutputError(f"the input of {tool.function.name} must be a JSON object of its arguments") from None
+        value = {props[0]: text}
+    if not isinstance(value, dict):
+        raise OutputError(f"the input of {tool.function.name} must be a JSON object of its arguments")
+    if schema:
+        check_schema(value, schema, f"the arguments of {tool.function.name}")
+    return value
+
+
+def client_tools(tools: list[ToolDef]) -> dict[str, Any]:
+    """The request's tools as react client tools: each checks a call's argument (its doc is its listing)."""
+    out = {}
+    for tool in tools:
+        def check(text: str, tool: ToolDef = tool) -> str | None:
+            try:
+                react_arguments(tool, text)
+            except OutputError as exc:
+                return str(exc)
+            return None
+
+        params = json.dumps(tool.function.parameters or {"type": "object", "properties": {}})
+        check.__doc__ = f"{(tool.function.description or tool.function.name).splitlines()[0]} Input: a JSON object, schema {params}"
+        out[tool.function.name] = check
+    return out
+
+
+def answer_text(result: RunResult) -> str:
+    answer = result.answer
+    if answer is None:
+        return ""
+    return answer if isinstance(answer, str) else json.dumps(answer, ensure_ascii=False)
+
+
+def content_node(result: RunResult) -> str | None:
+    """The think node whose final step is the workflow's final text."""
+    o = result.outputs
+    if result.workflow == "cot":
+        return "answer"
+    if result.workflow == "pipeline":
+        return "solution" if o.get("answer") == o.get("solution") else None
+    if result.workflow == "vote" and isinstance(result.answer, str):
+        key = normalize_math(result.answer)
+        return next((n for n in sorted(o) if n.startswith("chain_") and not n.endswith("_reasoning")
+                     and isinstance(o[n], str) and normalize_math(o[n]) == key), None)
+    return None
+
+
+def texts(result: RunResult) -> tuple[str, str]:
+    """(content, reasoning) of a finished run."""
+    o = result.outputs
+    if result.workflow == "react":
+        observe = o.get("observe") or {}
+        return (observe.get("final") or ""), observe.get("transcript", "")
+    if result.workflow == "refine":
+        return str(o.get("draft") or answer_text(result)), str(o.get("critique") or "")
+    node = content_node(result)
+    steps = [s for s in result.steps() if node is None or s["node"] == node]
+    final = "".join(s["data"].get("text", "") for s in steps if s["data"].get("kind") == "final")
+    reasoning = "".join(s["data"].get("text", "") for s in steps if s["data"].get("kind") != "final")
+    if result.workflow == "pipeline" and node is None:
+        return str(o.get("review") or answer_text(result)), reasoning
+    return final or answer_text(result), reasoning
+
+
+def pending_call(result: RunResult) -> tuple[str, dict[str, Any]] | None:
+    """(thought, tool call) of a react run that stopped at a client tool."""
+    observe = result.outputs.get("observe") or {}
+    pending = observe.get("pending") if isinstance(observe, dict) else None
+    if not pending:
+        return None
+    turn = observe.get("transcript", "").rstrip().rsplit("Thought:", 1)[-1]
+    return turn.split("Action:", 1)[0].strip(), pending
+
+
+class WorkflowReply:
+    """Builds the OpenAI objects of one workflow run from its result and events."""
+
+    def __init__(self, model: str, policy: str, prompt_tokens: int, count_tokens: Any,
+                 tools: list[ToolDef] | None) -> None:
+        self.id, self.model, self.policy = f"chatcmpl-{uuid.uuid4().hex[:24]}", model, policy
+        self.created = int(time.time())
+        self.prompt_tokens, self.count_tokens = prompt_tokens, count_tokens
+        self.tools = {t.function.name: t for t in tools or []}
+
+    def chunk(self, delta: dict[str, Any], finish_reason: str | None = None, **extra: Any) -> dict[str, Any]:
+        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}], **extra}
+
+    def message(self, result: RunResult) -> tuple[dict[str, Any], str]:
+        """The assistant message and the finish reason."""
+        content, reasoning = texts(result)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if reasoning:
+            message["reasoning_content"] = message["reasoning"] = reasoning
+        pending = pending_call(result)
+        if pending is not None:
+            thought, call = pending
+            arguments = react_arguments(self.tools[call["tool"]], call["input"])
+            message["content"] = thought or None
+            message["tool_calls"] = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {
+                "name": call["tool"], "arguments": json.dumps(arguments, ensure_ascii=False)}}]
+            return message, "tool_calls"
+        return message, finish_reason(result)
+
+    def completion(self, result: RunResult) -> dict[str, Any]:
+        message, finish = self.message(result)
+        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
+                "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
+                "usage": self.usage(result, message.get("content") or ""), "thinkahead": self.summary(result)}
+
+    def final_chunks(self, result: RunResult, streamed_reasoning: bool) -> list[dict[str, Any]]:
+        """After the reasoning chunks: the content (or tool calls) and the finish."""
+        if (error := run_error(result)) is not None:
+            return [{**error.body(), "thinkahead": self.summary(result)}]
+        message, finish = self.message(result)
+        out = []
+        if not streamed_reasoning and message.get("reasoning"):
+            out.append(self.chunk({"reasoning_content": message["reasoning"], "reasoning": message["reasoning"]}))
+        if message.get("content"):
+            out.append(self.chunk({"content": message["content"]}))
+        for k, call in enumerate(message.get("tool_calls") or []):
+            out.append(self.chunk({"tool_calls": [{"index": k, "id": call["id"], "type": "function", "function": {
+                "name": call["function"]["name"], "arguments": ""}}]}))
+            out.append(self.chunk({"tool_calls": [{"index": k, "function": {
+                "arguments": call["function"]["arguments"]}}]}))
+        out.append(self.chunk({}, finish, usage=self.usage(result, message.get("content") or ""),
+                              thinkahead=self.summary(result)))
+        return out
+
+    def usage(self, result: RunResult, content: str) -> dict[str, Any]:
+        """OpenAI's usage: the request's own prompt, every generated token (judges and discarded drafts
+        included), of which those not in `content` are reasoning."""
+        completion = int(result.cost.get("total_tokens", 0))
+        reasoning = max(0, completion - self.count_tokens(content)) if content else completion
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
+                "total_tokens": self.prompt_tokens + completion, "prompt_tokens_details": {"cached_tokens": 0},
+                "completion_tokens_details": {"reasoning_tokens": reasoning}}
+
+    def summary(self, result: RunResult) -> dict[str, Any]:
+        """The `thinkahead` field: what ran, its answer, what every internal call cost, who wrote each step."""
+        steps = [{"node": s["node"], **{k: s["data"].get(k) for k in ("author", "verdict", "score", "tokens", "kind",
+                                                                        "text")}}
+                 for s in result.steps()]
+        return {"run_id": result.id, "workflow": result.workflow, "policy": self.policy, "status": result.status,
+                "error": result.error, "answer": result.answer, "cost": jsonable(result.cost), "steps": steps}
+
+
+def run_error(result: RunResult) -> RequestError | None:
+    """A 500 for a run that failed; None for one that finished or that a budget cut short."""
+    if result.status in ("ok", "budget"):
+        return None
+    return RequestError(500, f"run {result.id} ended {result.status}: {result.error}", type="server_error",
+                        code="run_failed")
+
+
+def finish_reason(result: RunResult) -> str:
+    """"length" when a budget cut the run or its chain short, else "stop"."""
+    if result.status == "budget":
+        return "length"
+    ends = [e["data"].get("stop_reason") for e in result.trace if e["kind"] == "node_end"]
+    return "length" if any(r in LENGTH_STOPS for r in ends) else "stop"
