@@ -21,10 +21,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import BaseModel, Field
-
-from thinkahead.models.base import CallScope, Completion, GenerationRequest, LanguageModel, model_call
-from thinkahead.models.http import ModelServerError
 from thinkahead.token_spec.stats import SpecStats
+
+from thinkahead.models.base import (
+    CallScope,
+    Completion,
+    GenerationRequest,
+    LanguageModel,
+    model_call,
+)
+from thinkahead.models.errors import ThinkaheadError
+from thinkahead.models.http import ModelServerError
 
 _DEADLINE_SLACK_S = 0.01  # a call that fails this close to a wall-time deadline was cut by it
 _GRACE_S = 0.25  # the backend ends a call at its deadline; MeteredModel cancels it this much later
@@ -42,7 +49,7 @@ class RunBudget(BaseModel, extra="forbid"):
     )
 
 
-class BudgetExceeded(Exception):
+class BudgetExceeded(ThinkaheadError):
     """A run or batch hit a limit; `scope` is "run" or "batch", `limit` the field that ran out."""
 
     def __init__(self, scope: str, limit: str, value: float, used: float) -> None:

@@ -23,22 +23,40 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import networkx as nx
-
-from thinkahead.models.base import GenerationRequest, LanguageModel
-from thinkahead.orchestrator.budget import BudgetExceeded, Meter, MeteredModel, RetryPolicy, RunBudget
-from thinkahead.orchestrator.graph import CompiledGraph, Node, StepGraph, first_join_branches
+from thinkahead.orchestrator.budget import (
+    BudgetExceeded,
+    Meter,
+    MeteredModel,
+    RetryPolicy,
+    RunBudget,
+)
+from thinkahead.orchestrator.graph import (
+    CompiledGraph,
+    Node,
+    StepGraph,
+    first_join_branches,
+)
 from thinkahead.orchestrator.store import ResultStore
-from thinkahead.orchestrator.trace import Listener, RunResult, Tracer, TraceEvent, jsonable
+from thinkahead.orchestrator.trace import (
+    Listener,
+    RunResult,
+    TraceEvent,
+    Tracer,
+    jsonable,
+)
 from thinkahead.step_spec.loop import StepBudget, StepLoop
 from thinkahead.step_spec.policies import StepPolicy
 from thinkahead.step_spec.segment import SegmentConfig
 from thinkahead.verifiers.checkers import extract_final_answer
 
+from thinkahead.models.base import GenerationRequest, LanguageModel
+from thinkahead.models.errors import ThinkaheadError
+
 _run_ids = itertools.count()
 log = logging.getLogger(__name__)
 
 
-class ToolTimeoutError(RuntimeError):
+class ToolTimeoutError(ThinkaheadError, RuntimeError):
     """A synchronous callable run by `call_in_thread` did not finish within its time limit."""
 
 
@@ -107,7 +125,7 @@ class _Run:
         return sid
 
 
-class NodeError(RuntimeError):
+class NodeError(ThinkaheadError, RuntimeError):
     """A node failed; the message names the node and the cause."""
 
 
@@ -165,6 +183,7 @@ class Runtime:
         models = {tier: MeteredModel(m, tier, meter, self.retry) for tier, m in self.models.items()}
         run = _Run(compiled, state, tracer, meter, models, session)
         tracer.emit("run_start", workflow=compiled.name, inputs=jsonable(state))
+        log.info("run %s started (workflow %s)", run_id, compiled.name)
         status, error = "ok", None
         try:
             if self.budget.max_wall_s is not None:
@@ -186,6 +205,10 @@ class Runtime:
                 tracer.emit("error", status=status, error=error)
             cost = meter.snapshot()
             tracer.emit("run_end", status=status, cost=cost)
+            if status == "ok":
+                log.info("run %s ended ok in %.2f s (%s tokens)", run_id, cost.get("wall_s", 0.0), cost.get("tokens"))
+            else:  # budget stops, failures and cancellations are worth a warning in the logs
+                log.warning("run %s ended %s: %s", run_id, status, error)
             await self._end_sessions(run)
         answer = state.get(compiled.output) if compiled.output else None
         outputs = {k: jsonable(v) for k, v in state.items() if k not in compiled.inputs}

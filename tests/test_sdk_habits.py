@@ -77,9 +77,12 @@ def test_library_exceptions_share_one_base_and_keep_their_old_ones():
     from thinkahead.orchestrator.graph import GraphError
     from thinkahead.orchestrator.jsonl import LogError
     from thinkahead.serving.asgi import RequestError
+    from thinkahead.orchestrator.budget import BudgetExceeded
+    from thinkahead.orchestrator.runtime import NodeError, ToolTimeoutError
     from thinkahead.serving.sglang_launcher import LaunchError
 
-    for cls, old in [(GraphError, ValueError), (LogError, ValueError), (ModelServerError, RuntimeError),
+    for cls, old in [(BudgetExceeded, Exception), (NodeError, RuntimeError), (ToolTimeoutError, RuntimeError),
+                     (GraphError, ValueError), (LogError, ValueError), (ModelServerError, RuntimeError),
                      (ChecksumError, ValueError), (ModelDownloadError, RuntimeError),
                      (DataUnavailableError, RuntimeError), (LaunchError, RuntimeError), (RequestError, Exception)]:
         assert issubclass(cls, ThinkaheadError) and issubclass(cls, old), cls

@@ -37,9 +37,10 @@ from thinkahead.token_spec.suffix_persist import read_cache, write_cache
 from thinkahead.token_spec.suffix_sessions import SessionsMixin, SessionStats, _Session, build_request_tree
 from thinkahead.token_spec.suffix_tree import Position, SuffixTree
 
-# The global tree's default memory cap: a quarter GiB, a few percent of a laptop's memory next to
-# the model. At the ~210 bytes per response token measured (bench/suffix_cache.py) it holds about
-# 1.2M tokens, i.e. the 10,000 responses `max_cached_requests` allows at ~120 tokens each.
+# The global tree's default memory cap: a quarter GiB, 2-3% of an 8-16 GB laptop next to a small
+# model. At the ~240 bytes per response token measured on GSM8K answers (bench/suffix_cache.py) it
+# holds about 1.1M tokens: ~9,000 responses of ~120 tokens, close to the 10,000 `max_cached_requests`
+# allows, so longer responses meet the memory cap first (before it, 14.5k responses took 632 MB).
 DEFAULT_MAX_MEMORY_BYTES = 256 * 2**20
 
 
