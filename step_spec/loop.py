@@ -27,8 +27,8 @@ FORCE_ANSWER = "\n\nTherefore, the final answer is \\boxed{"
 class StepBudget(BaseModel, extra="forbid"):
     """Limits of one reasoning run; None means unlimited."""
 
-    max_steps: int = Field(default=24, gt=0)
-    max_tokens: int | None = Field(default=2048, gt=0)
+    max_steps: int = Field(default=16, gt=0)
+    max_tokens: int | None = Field(default=1024, gt=0)
     max_large_calls: int | None = Field(default=None, ge=0)
     final_answer_tokens: int = Field(default=24, gt=0)
 

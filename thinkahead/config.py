@@ -124,7 +124,7 @@ class OrchestratorConfig(BaseModel, extra="forbid"):
     workflow: str = "cot"
     workflow_options: dict[str, Any] = Field(default_factory=dict)
     segment: SegmentConfig = SegmentConfig(max_step_tokens=128)
-    steps: StepBudget = StepBudget(max_steps=16, max_tokens=1024)
+    steps: StepBudget = StepBudget()
     budget: RunBudget = RunBudget(max_wall_s=DEFAULT_RUN_WALL_S)
     batch_budget: RunBudget = RunBudget()
     retry: RetryPolicy = RetryPolicy()

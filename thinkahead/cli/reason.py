@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from thinkahead.models.weights import DTYPES
+from thinkahead.step_spec.loop import StepBudget
 from thinkahead.step_spec.policies import ALL_POLICY_NAMES, DEFAULT_POLICY
 
 POLICIES = ALL_POLICY_NAMES  # every registered policy, `collect` included
@@ -31,8 +32,8 @@ POLICIES = ALL_POLICY_NAMES  # every registered policy, `collect` included
 @click.option("--first-large", type=int, default=0, show_default=True, help="specreason: the first N steps go to the large model.")
 @click.option("--router", default="heuristic", show_default=True, help="arbitrage: 'heuristic' or a trained router JSON.")
 @click.option("--pairs", type=click.Path(dir_okay=False, path_type=Path), default=None, help="collect: JSONL file to append step pairs to.")
-@click.option("--max-steps", type=int, default=16, show_default=True)
-@click.option("--max-tokens", type=int, default=1024, show_default=True)
+@click.option("--max-steps", type=int, default=StepBudget.model_fields["max_steps"].default, show_default=True)
+@click.option("--max-tokens", type=int, default=StepBudget.model_fields["max_tokens"].default, show_default=True)
 @click.option("--step-tokens", type=int, default=128, show_default=True, help="Token cap per step.")
 @click.option("--no-token-spec", is_flag=True, help="Turn off token-level speculation (the plain baseline).")
 @click.option("--dtype", type=click.Choice(list(DTYPES)), default="int8", show_default=True)
@@ -41,7 +42,7 @@ def reason(problem, small_spec, large_spec, policy, threshold, score_mode, judge
            max_steps, max_tokens, step_tokens, no_token_spec, dtype, as_json) -> None:
     """Reason about PROBLEM step by step: the small model drafts, the large model judges or rewrites."""
     from thinkahead.models import LocalModel
-    from thinkahead.step_spec.loop import StepBudget, StepLoop
+    from thinkahead.step_spec.loop import StepLoop
     from thinkahead.step_spec.policies import CollectPairs, make_policy
     from thinkahead.step_spec.segment import SegmentConfig
 
