@@ -18,13 +18,13 @@ import json
 import os
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from thinkahead.orchestrator.budget import RetryPolicy, RunBudget
 from thinkahead.step_spec.loop import StepBudget
-from thinkahead.step_spec.policies import POLICY_NAMES, PolicySettings
+from thinkahead.step_spec.policies import PolicySettings
 from thinkahead.step_spec.segment import SegmentConfig
 
 # A run's wall-clock deadline unless `budget.max_wall_s` says otherwise (`null`: none). Runs of the
@@ -145,13 +145,6 @@ class OrchestratorConfig(BaseModel, extra="forbid"):
     @classmethod
     def _model_from_string(cls, value: Any) -> Any:
         return {"spec": value} if isinstance(value, str) else value
-
-    @field_validator("policy", mode="before")
-    @classmethod
-    def _policy_from_string(cls, value: Any) -> Any:
-        if isinstance(value, str) and value not in POLICY_NAMES:
-            raise ValueError(f"unknown policy {value!r}; choose one of {', '.join(POLICY_NAMES)}")
-        return {"name": value} if isinstance(value, str) else value
 
     @field_validator("workflow")
     @classmethod

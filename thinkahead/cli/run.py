@@ -17,7 +17,6 @@ from thinkahead.cli.options import (
     load_models,
     open_store,
     orchestrator_options,
-    same_file,
 )
 from thinkahead.cli.progress import Progress, summary_table
 
@@ -47,8 +46,6 @@ def run(input_path, workflow, policy, out, limit, concurrency, checker, on_bad_l
 
     if limit is not None and limit < 1:
         raise click.UsageError("--limit must be at least 1")
-    if same_file(out, input_path):
-        raise InputError(f"-o {out} is the input file; write results to another file")
     try:
         tasks = read_tasks(input_path, limit=limit)
     except ValueError as exc:
