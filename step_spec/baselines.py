@@ -15,6 +15,7 @@ class SingleModel(Policy):
 
     def __init__(self, tier: Tier, **options: Any) -> None:
         self.tier: Tier = check_tier(tier)
+        self.answer_tier: Tier = self.tier  # a forced final answer is this model's too
         self.name = tier
         super().__init__(**options)
 

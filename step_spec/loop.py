@@ -5,7 +5,8 @@ closes it when the run ends, so one policy object serves any number of concurren
 
 Stops when a step holds a final answer (`\\boxed{}`, "Answer:"), the model ends its reply or its
 thinking, a step repeats an earlier one, or a budget runs out (steps, generated tokens, large-model
-calls). When the reasoning stops without an answer, the large model is asked for one directly.
+calls). When the reasoning stops without an answer, the policy's answer tier (normally the large model) is
+asked for one directly.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pydantic import BaseModel, Field
 from thinkahead.models.base import GenerationRequest, LanguageModel
 from thinkahead.step_spec.base import PolicyRun, StepPolicy
 from thinkahead.step_spec.segment import SegmentConfig, has_final_answer, is_repeated
-from thinkahead.step_spec.state import TIERS, StepContext, StepOutcome
+from thinkahead.step_spec.state import TIERS, StepContext, StepOutcome, Tier, check_tier
 
 FORCE_ANSWER = "\n\nTherefore, the final answer is \\boxed{"
 
@@ -58,6 +59,11 @@ class ReasoningResult:
         out["steps"] = [s.to_dict() for s in self.steps]  # each step's speculation stats as their dict
         out["small_share"] = self.small_share
         return out
+
+
+def answer_tier(policy: StepPolicy) -> Tier:
+    """Who writes a forced final answer under `policy`: its `answer_tier`, else the large model."""
+    return check_tier(getattr(policy, "answer_tier", "large"))
 
 
 class StepLoop:
@@ -139,22 +145,38 @@ class StepLoop:
         return None
 
     async def _force_answer(self, ctx: StepContext) -> StepOutcome:
-        """Ask the large model for the boxed answer right after the reasoning so far."""
+        """Ask for the boxed answer right after the reasoning so far.
+
+        The policy's answer tier writes it (`answer_tier`: the large model unless a policy names
+        another, e.g. `small`). Generation stops at each `}`; while the braces opened inside the box
+        are not all closed (`\\boxed{\\frac{1}{2}}`) it goes on, within `final_answer_tokens`.
+        """
+        tier = answer_tier(self.policy)
+        model = ctx.model(tier)
         messages = ctx.messages()
         reasoning = (messages[-1]["content"] if messages[-1]["role"] == "assistant" else "").rstrip()
         head = messages[:-1] if messages[-1]["role"] == "assistant" else messages
-        prefix = reasoning + FORCE_ANSWER
-        request = GenerationRequest(
-            messages=head + [{"role": "assistant", "content": prefix}],
-            continue_final=True,
-            max_new_tokens=self.budget.final_answer_tokens,
-            stop=["}"],
-            speculative=self.speculative,
-            session_id=ctx.session_id,
-        )
-        c = await self.large.generate(request)
-        out = StepOutcome(text=FORCE_ANSWER.lstrip("\n") + c.text + "}", author="large", verdict="final", kind="final", time_s=c.time_s)
-        out.tokens["large"] += c.completion_tokens
+        answer, tokens, time_s, depth = "", 0, 0.0, 1
+        while tokens < self.budget.final_answer_tokens:
+            request = GenerationRequest(
+                messages=head + [{"role": "assistant", "content": reasoning + FORCE_ANSWER + answer}],
+                continue_final=True,
+                max_new_tokens=self.budget.final_answer_tokens - tokens,
+                stop=["}"],
+                speculative=self.speculative,
+                session_id=ctx.session_id,
+            )
+            c = await model.generate(request)
+            answer += c.text
+            tokens += c.completion_tokens
+            time_s += c.time_s
+            depth += c.text.count("{") - c.text.count("}") - 1
+            if c.matched_stop != "}" or depth <= 0 or c.completion_tokens == 0:
+                break  # the model ended, ran out of tokens, or closed the box
+            answer += "}"
+        out = StepOutcome(text=FORCE_ANSWER.lstrip("\n") + answer + "}", author=tier, verdict="final", kind="final",
+                          time_s=time_s)
+        out.tokens[tier] += tokens
         return out
 
     def _result(self, ctx: StepContext, stop: str | None, elapsed: float) -> ReasoningResult:

@@ -85,7 +85,9 @@ def test_accept_length_is_one_number_at_every_layer_when_a_stop_token_cuts_the_l
     problem = " ".join(f"w{i - 3}" for i in ids)  # word-level tokenizer: id i is "w{i-3}"
 
     def loop(small) -> StepLoop:
-        return StepLoop(small, ScriptedModel(outputs=["42"]), make_policy("small"), SegmentConfig(max_step_tokens=40),
+        policy = make_policy("small")
+        policy.answer_tier = "large"  # the scripted large model writes the forced answer: one small generation per run
+        return StepLoop(small, ScriptedModel(outputs=["42"]), policy, SegmentConfig(max_step_tokens=40),
                         StepBudget(max_steps=1))
 
     # A first run without stop tokens: the reference output, and a suffix cache whose drafts now run past any stop.

@@ -110,13 +110,27 @@ def test_reflect_hands_reflection_steps_to_large() -> None:
     assert result.steps[1].discarded.startswith("Wait")
 
 
+def thinking_then(answer: str, name: str) -> ScriptedModel:
+    """Writes "thinking i more." steps; asked for the boxed answer (stop at "}"), goes on with `answer`
+    from wherever the prompt's box leaves off, as a real model continuing the text would."""
+    steps = iter(range(1000))
+
+    def respond(prompt: str, request) -> str:
+        if request.stop == ["}"]:
+            so_far = prompt.rsplit("\\boxed{", 1)[1]
+            return answer[len(so_far):]
+        return f"thinking {next(steps)} more.\n\n"
+
+    return ScriptedModel(respond, name=name)
+
+
 def test_budgets_stop_and_force_an_answer() -> None:
-    small = ScriptedModel([f"thinking {i} more.\n\n" for i in range(50)], name="small")
-    large = ScriptedModel(["42"], name="large")
-    result = run(StepLoop(small, large, make_policy("small"), budget=StepBudget(max_steps=3)))
+    small = thinking_then("unused", name="small")
+    large = thinking_then("42", name="large")
+    result = run(StepLoop(small, large, SpecReason(), budget=StepBudget(max_steps=3)))
     assert result.stop_reason == "max_steps"
     assert len(result.steps) == 4 and result.steps[-1].verdict == "final"
-    assert result.steps[-1].text.endswith("\\boxed{42}")
+    assert result.steps[-1].text.endswith("\\boxed{42}") and result.steps[-1].author == "large"
     assert large.calls[-1].request.stop == ["}"]
     small = ScriptedModel([f"thinking {i} more and more.\n\n" for i in range(50)], name="small")
     result = run(StepLoop(small, ScriptedModel(["7"]), make_policy("small"), budget=StepBudget(max_tokens=10)))
@@ -336,3 +350,39 @@ def test_reason_command_rejects_bad_options_before_loading_models() -> None:
     assert out.exit_code == 2 and "--pairs" in out.output
     out = CliRunner().invoke(main, ["reason", "What is 2+2?", "--max-steps", "0"])
     assert out.exit_code == 2 and "max_steps" in out.output
+
+
+def test_forced_answer_keeps_nested_braces() -> None:
+    """The box closes at the brace that balances it, not at the first "}" (`\\frac{1}{2}` was cut to `\\frac{1}`)."""
+    small = thinking_then("unused", name="small")
+    large = thinking_then("\\frac{1}{2}} and more text", name="large")
+    result = run(StepLoop(small, large, SpecReason(), budget=StepBudget(max_steps=2)))
+    final = result.steps[-1]
+    assert final.text == "Therefore, the final answer is \\boxed{\\frac{1}{2}}"
+    assert [c.request.stop for c in large.calls if c.kind == "generate"][-3:] == [["}"]] * 3
+    assert final.tokens["large"] == 2  # "\\frac{1" and "{2" (scripted tokens are words)
+
+
+def test_forced_answer_budget_bounds_the_continuations() -> None:
+    small = thinking_then("unused", name="small")
+    large = thinking_then("{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{}", name="large")
+    budget = StepBudget(max_steps=1, final_answer_tokens=3)
+    result = run(StepLoop(small, large, SpecReason(), budget=budget))
+    assert result.steps[-1].verdict == "final" and result.steps[-1].tokens["large"] <= 3
+
+
+def test_small_policy_writes_its_own_forced_answer() -> None:
+    small = thinking_then("12", name="small")
+    large = ScriptedModel(["unused"], name="large")
+    result = run(StepLoop(small, large, make_policy("small"), budget=StepBudget(max_steps=2)))
+    final = result.steps[-1]
+    assert final.author == "small" and final.text.endswith("\\boxed{12}")
+    assert large.calls == [] and result.large_calls == 0
+
+
+def test_judge_reads_ascii_digits_only() -> None:
+    """'²'.isdigit() is True and int('²') raises: a real SmolLM2 judge call failed this way."""
+    logprobs = {"²": math.log(0.5), "٣": math.log(0.1), "7": math.log(0.4)}
+    score, mass = score_from_logprobs(logprobs, "greedy")
+    assert score == 7.0 and math.isclose(mass, 0.4)
+    assert score_from_logprobs({"²": 0.0}, "expected") == (0.0, 0.0)

@@ -59,7 +59,7 @@ def score_from_logprobs(logprobs: dict[str, float], mode: Literal["greedy", "exp
     mass = [0.0] * 10
     for text, lp in logprobs.items():
         t = text.strip()
-        if len(t) == 1 and t.isdigit():
+        if len(t) == 1 and "0" <= t <= "9":  # ASCII digits only: str.isdigit() also takes '²', '٣', ...
             mass[int(t)] += math.exp(lp)
     total = sum(mass)
     if total <= 0:
