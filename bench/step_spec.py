@@ -21,10 +21,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from offline_data import gsm8k  # noqa: E402
 
+from thinkahead.evals.report import finish_plot  # noqa: E402
 from thinkahead.step_spec.loop import StepBudget, StepLoop  # noqa: E402
 from thinkahead.step_spec.policies import make_policy  # noqa: E402
 from thinkahead.step_spec.segment import SegmentConfig  # noqa: E402
-from thinkahead.verifiers.checkers import MathChecker  # noqa: E402
+from thinkahead.verifiers.grading import MathChecker  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 INSTRUCTION = " Reason step by step and put the final answer in \\boxed{}."
@@ -103,12 +104,8 @@ def plot(rows: list[dict], path: Path) -> None:
     for r in rows:
         ax.scatter(r["time_per_problem_s"], r["accuracy"])
         ax.annotate(r["config"], (r["time_per_problem_s"], r["accuracy"]), fontsize=7, xytext=(3, 3), textcoords="offset points")
-    ax.set_xlabel("seconds per problem (lower is better)")
-    ax.set_ylabel("GSM8K accuracy")
-    ax.set_title("Step-level speculation: accuracy vs time")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    finish_plot(fig, ax, path, xlabel="seconds per problem (lower is better)", ylabel="GSM8K accuracy",
+                title="Step-level speculation: accuracy vs time", dpi=110)
 
 
 async def run_one(small, large, name: str, problem: dict, args) -> dict:

@@ -11,6 +11,10 @@ Methods (all greedy, same prompts, same stop tokens, same max_new_tokens):
   combined             ours: recent context copies + local and global suffix trees in one tree draft
   ours-plain           ours without speculation (one token per forward; its output is the reference
                        our speculative methods must equal)
+  llama-plain          llama.cpp (llama-cpp-python) greedy on the same GGUF file, its own KV reuse
+  llama-prompt-lookup  llama.cpp with llama-cpp-python's prompt-lookup draft model (10 tokens)
+                       (both need llama-cpp-python: bench/llama_baseline.py says how to install it;
+                       without it the default method list leaves them out)
 
 Ours reuse the KV of earlier prompts that share a prefix (a KV prefix pool, as SGLang's radix cache
 does; `--no-prefix-reuse` turns it off): a refine turn's prompt extends the previous turn's prompt and
@@ -33,6 +37,7 @@ from __future__ import annotations
 from pathlib import Path
 import argparse
 import json
+import os
 import platform
 import sys
 import time
@@ -42,6 +47,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from offline_data import gsm8k, humaneval  # noqa: E402
 
+from llama_baseline import LLAMA_METHODS, LlamaRunner, llama_version  # noqa: E402
+from thinkahead.evals.report import finish_plot  # noqa: E402
 from thinkahead.models.weights import DTYPES, load_causal_lm  # noqa: E402
 from thinkahead.token_spec.backends.hf import HFEngine  # noqa: E402
 from thinkahead.token_spec.decoder import SpeculativeDecoder  # noqa: E402
@@ -50,7 +57,7 @@ from thinkahead.token_spec.presets import build_decoder  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ALL_METHODS = ["hf-greedy", "hf-prompt-lookup", "hf-assisted", "ours-plain", "suffix", "prompt-lookup", "combined",
-               "draft-model", "hybrid"]
+               "draft-model", "hybrid", *LLAMA_METHODS]
 ALL_WORKLOADS = ["cot", "refine", "pipeline", "code"]
 
 COT_INSTRUCTION = "Solve the problem step by step, then give the final answer as 'Answer: <number>'."
@@ -234,6 +241,8 @@ def summarize(records: list[dict], methods: list[str], workloads: list[str]) -> 
                 "tokens_per_s": round(speed[m][0], 3),
                 "speedup": _ratio(speed, m, "hf-greedy", 0),
                 "vs_hf_prompt_lookup": _ratio(speed, m, "hf-prompt-lookup", 0),
+                "vs_llama_plain": _ratio(speed, m, "llama-plain", 0),
+                "vs_llama_prompt_lookup": _ratio(speed, m, "llama-prompt-lookup", 0),
                 "decode_tokens_per_s": round(speed[m][1], 3),
                 "decode_speedup": _ratio(speed, m, "hf-greedy", 1),
                 "accept_length": round(tokens / verify, 3) if verify else None,
@@ -273,9 +282,10 @@ def markdown(rows: list[dict], meta: dict) -> str:
         f"Target `{meta['target']}`, draft `{meta['draft']}`, {meta['dtype']}, greedy, "
         f"{meta['threads']} threads, {meta['machine']}; `{meta['command']}`.",
         "",
-        "| workload | method | tokens | tok/s (end to end) | vs hf-greedy | vs hf-prompt-lookup | decode tok/s "
-        "| decode vs hf-greedy | accept len | draft ms/tok | prompt KV reused | output = ours-plain | first turn = hf-greedy |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| workload | method | tokens | tok/s (end to end) | vs hf-greedy | vs hf-prompt-lookup | vs llama-plain "
+        "| vs llama-prompt-lookup | decode tok/s | decode vs hf-greedy | accept len | draft ms/tok | prompt KV reused "
+        "| output = ours-plain | first turn = hf-greedy |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         al = f"{r['accept_length']:.2f}" if r["accept_length"] else ""
@@ -283,7 +293,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
         reused = f"{100 * r['prompt_reused']:.0f}%" if r.get("prompt_reused") else ""
         lines.append(
             f"| {r['workload']} | {r['method']} | {r['tokens']} | {r['tokens_per_s']:.2f} | {x(r['speedup'])} "
-            f"| {x(r.get('vs_hf_prompt_lookup'))} | {r['decode_tokens_per_s']:.2f} | {x(r['decode_speedup'])} | {al} "
+            f"| {x(r.get('vs_hf_prompt_lookup'))} | {x(r.get('vs_llama_plain'))} "
+            f"| {x(r.get('vs_llama_prompt_lookup'))} | {r['decode_tokens_per_s']:.2f} | {x(r['decode_speedup'])} | {al} "
             f"| {dm} | {reused} | {r.get('same_as_ours_plain', '')} | {r['same_as_hf_greedy']} |"
         )
     return "\n".join(lines) + "\n"
@@ -311,12 +322,9 @@ def plot(rows: list[dict], records: list[dict], path: Path) -> None:
         seq = [r for r in records if r["method"] == m and r.get("spec_verify_ct")]
         if seq:
             ax2.plot(range(len(seq)), [r["new_tokens"] / r["spec_verify_ct"] for r in seq], marker=".", label=m)
-    ax2.set_xlabel("generation index in the run (the global suffix cache warms)")
-    ax2.set_ylabel("tokens per verify step")
-    ax2.set_title("Acceptance as the cache warms")
     ax2.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    finish_plot(fig, ax2, path, xlabel="generation index in the run (the global suffix cache warms)",
+                ylabel="tokens per verify step", title="Acceptance as the cache warms", grid=False, dpi=110)
 
 
 # --------------------------------------------------------------------------- main
@@ -326,7 +334,7 @@ def cpu_features() -> str:
         flags = set(Path("/proc/cpuinfo").read_text().split())
     except OSError:
         return "flags unknown"
-    wanted = ["avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16"]
+    wanted = ["avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16"]
     return " ".join(f if f in flags else f"no {f}" for f in wanted)
 
 
@@ -336,7 +344,7 @@ def main() -> None:
     ap.add_argument("--target", default="qwen2.5-coder-1.5b")
     ap.add_argument("--draft", default="qwen2.5-coder-0.5b")
     ap.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="int8: batch-invariant int8 linears (thinkahead/models/quantize.py)")
-    ap.add_argument("--methods", default=",".join(ALL_METHODS))
+    ap.add_argument("--methods", default=None, help="comma-separated (default: all; llama-* only when llama-cpp-python is installed)")
     ap.add_argument("--workloads", default=",".join(ALL_WORKLOADS))
     ap.add_argument("--quick", action="store_true", help="1 item per workload, short outputs")
     ap.add_argument("--out", default=str(RESULTS / "token_spec"))
@@ -344,7 +352,11 @@ def main() -> None:
     ap.add_argument("--no-prefix-reuse", action="store_true", help="ours prefill every prompt whole, as transformers does")
     args = ap.parse_args()
 
-    methods = args.methods.split(",")
+    methods = args.methods.split(",") if args.methods else [
+        m for m in ALL_METHODS if m not in LLAMA_METHODS or llama_version() is not None]
+    unknown = [m for m in methods if m not in ALL_METHODS]
+    if unknown:
+        ap.error(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(ALL_METHODS)}")
     names = args.workloads.split(",")
     sizes = {"cot": 2, "refine": 2, "pipeline": 5, "code": 2}
     max_new = {"cot": 160, "refine": 256, "pipeline": 80, "code": 128}
@@ -369,6 +381,7 @@ def main() -> None:
         "machine": f"{platform.machine()} CPU ({cpu_features()}), {torch.get_num_threads()} threads, torch {torch.__version__}",
         "command": "python bench/token_spec.py " + " ".join(sys.argv[1:]), "load_s": round(load_s, 1),
         "attention": {"transformers": "sdpa", "ours": loaded_attention},
+        "llama_cpp_python": llama_version(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "sizes": sizes, "max_new_tokens": max_new, "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
     }
     records: list[dict] = []
@@ -384,8 +397,11 @@ def main() -> None:
         print(msg, flush=True)
 
     for m in methods:
-        runner = Runner(m, target, tokenizer, draft, stop_ids, prefix_reuse=not args.no_prefix_reuse,
-                        attention=loaded_attention)
+        if m in LLAMA_METHODS:
+            runner = LlamaRunner(m, args.target, tokenizer, stop_ids, threads=torch.get_num_threads())
+        else:
+            runner = Runner(m, target, tokenizer, draft, stop_ids, prefix_reuse=not args.no_prefix_reuse,
+                            attention=loaded_attention)
         records += run_method(runner, workloads, log)
         rows = summarize(records, [x for x in ALL_METHODS if any(r["method"] == x for r in records)], names)
         out.with_suffix(".json").write_text(json.dumps({"meta": meta, "summary": rows, "records": records}, indent=1))

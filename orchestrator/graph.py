@@ -28,11 +28,14 @@ from typing import Any
 import networkx as nx
 
 from thinkahead.models.errors import ThinkaheadError
+from thinkahead.step_spec.state import TIERS
+
+AnswerExtractor = Callable[[str], str | None]
+"""Reads the final answer out of a reasoning text; None when it finds none."""
 
 START = "__start__"
 END = "__end__"
 NODE_KINDS = ("think", "generate", "tool", "fork", "join", "loop")
-TIERS = ("small", "large")
 
 
 class GraphError(ThinkaheadError, ValueError):
@@ -82,10 +85,15 @@ class StepGraph:
     >>> compiled = g.compile()
     """
 
-    def __init__(self, name: str = "graph", inputs: Iterable[str] = ("input",), output: str | None = None) -> None:
+    def __init__(self, name: str = "graph", inputs: Iterable[str] = ("input",), output: str | None = None, *,
+                 answer_extractor: AnswerExtractor | None = None) -> None:
+        if answer_extractor is not None and not callable(answer_extractor):
+            raise GraphError(f"graph {name!r}: answer_extractor must be a function of the reasoning text, "
+                             f"got {type(answer_extractor).__name__}")
         self.name = name
         self.inputs = tuple(inputs)
         self.output = output
+        self.answer_extractor = answer_extractor
         self.nodes: dict[str, Node] = {}
         self.edges: list[tuple[str, str, str | None]] = []  # (source, target, label)
 
@@ -113,8 +121,10 @@ class StepGraph:
     ) -> StepGraph:
         """A reasoning segment: the step policy (the runtime's, or `policy`) solves `problem`.
 
-        `problem` is a template over the state. The output is the final answer (the boxed answer
-        when there is one) and `<output>_reasoning` holds the whole chain; the steps go to the trace.
+        `problem` is a template over the state. The output is the final answer: what the graph's
+        `answer_extractor` reads out of the reasoning (e.g. the boxed answer), else the text after
+        the reasoning (the last step, or the forced answer); `<output>_reasoning` holds the whole
+        chain; the steps go to the trace.
         """
         return self._add(Node(name, "think", output or name, template_fields(problem), {
             "problem": problem, "policy": policy, "system": system, "max_steps": max_steps,
@@ -428,6 +438,11 @@ class CompiledGraph:
     @property
     def name(self) -> str:
         return self.graph.name
+
+    @property
+    def answer_extractor(self) -> AnswerExtractor | None:
+        """How `think` nodes read their answer out of the reasoning (the workflow's choice; None: no extraction)."""
+        return self.graph.answer_extractor
 
     @property
     def inputs(self) -> tuple[str, ...]:

@@ -131,12 +131,14 @@ class JsonlLog:
 
     # ------------------------------------------------------------------ writing
 
-    def open_for_append(self) -> None:
+    def open_for_append(self, on_record: Callable[[Any], None] | None = None) -> None:
         """Recognise the file, check the configuration, move a torn tail aside; then appends may go.
 
         Raises `LogError` (naming the file, and the line where it applies) for a file that is not
         this kind of log, a corrupt record, a configuration mismatch, or a file that cannot be
-        written. Idempotent.
+        written. Idempotent: a second call reads nothing. `on_record` is called with each record
+        as the check reads it (in file order), so a writer that needs what is there (the ids to
+        skip on resume) reads the file once.
         """
         if self._fd is not None:
             return
@@ -147,7 +149,7 @@ class JsonlLog:
             raise LogError(f"cannot write {self.path}: {exc.strerror or exc}") from None
         try:
             _lock(fd, self.path)
-            self._check_for_append()
+            self._check_for_append(on_record)
             if self.torn_bytes:
                 self._move_torn_tail()
             self._fd = fd
@@ -160,8 +162,12 @@ class JsonlLog:
             os.close(fd)
             raise
 
-    def _check_for_append(self) -> None:
-        records = sum(1 for _ in self)  # validates every complete line (and reads the header)
+    def _check_for_append(self, on_record: Callable[[Any], None] | None) -> None:
+        records = 0
+        for record in self:  # validates every complete line (and reads the header)
+            records += 1
+            if on_record is not None:
+                on_record(record)
         legacy = self.header is None and records > 0
         if self.header is None and self.torn_bytes and not records:
             raise LogError(f"{self.path} holds one unterminated line and no {self.noun}s; not writing to it")

@@ -47,7 +47,6 @@ from thinkahead.orchestrator.trace import (
 from thinkahead.step_spec.loop import StepBudget, StepLoop
 from thinkahead.step_spec.policies import StepPolicy
 from thinkahead.step_spec.segment import SegmentConfig
-from thinkahead.verifiers.checkers import extract_final_answer
 
 from thinkahead.models.base import GenerationRequest, LanguageModel
 from thinkahead.models.errors import ThinkaheadError
@@ -377,7 +376,8 @@ class Runtime:
                 index += 1
             else:
                 result = item
-        answer = extract_final_answer(result.reasoning) or result.answer.strip()
+        extract = run.graph.answer_extractor  # the workflow's: the runtime knows no answer format
+        answer = (extract(result.reasoning) if extract is not None else None) or result.answer.strip()
         run.state[node.output] = answer
         run.state[node.output + "_reasoning"] = result.reasoning
         return {"stop_reason": result.stop_reason, "steps": len(result.steps), "small_share": round(result.small_share, 4)}

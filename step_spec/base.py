@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal, Protocol
+from typing import Any, ClassVar, Literal, Protocol, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -19,6 +19,7 @@ from thinkahead.step_spec.segment import Step, cut_step, stop_strings
 from thinkahead.step_spec.state import StepContext, StepOutcome, Tier
 
 ScoreMode = Literal["greedy", "expected"]  # a 0-9 judge's score: the likeliest digit, or the expectation
+SCORE_MODES: tuple[str, ...] = get_args(ScoreMode)
 JUDGE_THRESHOLD = 7.0  # a 0-9 judge accepts a step scoring at least this
 
 
@@ -68,6 +69,12 @@ class StepPolicy(Protocol):
     name: str
 
     def start(self, ctx: StepContext) -> PolicyRun: ...
+
+
+def is_step_policy(obj: object) -> bool:
+    """Whether `obj` can step runs: a `StepPolicy` (`start(ctx)`), or an object written before
+    `start` existed that has only `next_step(ctx)` (and keeps no per-run state)."""
+    return callable(getattr(obj, "start", None)) or callable(getattr(obj, "next_step", None))
 
 
 class Policy:

@@ -29,7 +29,7 @@ class Reflect(Policy):
     name = "reflect"
 
     async def decide(self, ctx: StepContext) -> StepOutcome:
-        from thinkahead.verifiers.router import opens_with_reflection
+        from thinkahead.verifiers.router_features import opens_with_reflection
 
         draft = await write_step(ctx, "small")
         if not opens_with_reflection(draft.step.text):

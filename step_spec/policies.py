@@ -25,6 +25,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, create_model, field_validator, model_validator
 
 from thinkahead.step_spec.base import (
+    SCORE_MODES,
     NoOptions,
     Policy,
     PolicyOptions,
@@ -32,6 +33,7 @@ from thinkahead.step_spec.base import (
     StepPolicy,
     Written,
     discard,
+    is_step_policy,
     outcome,
     with_reasoning,
     write_step,
@@ -145,8 +147,8 @@ PolicySettings.__doc__ = "The batch policies' settings in one model: `name` pick
 
 
 __all__ = [
-    "ALL_POLICY_NAMES", "DEFAULT_POLICY", "JUDGES", "POLICIES", "POLICY_NAMES", "REPAIRS", "Arbitrage", "CollectPairs",
-    "NoOptions", "Policy", "PolicyEntry", "PolicyOptions", "PolicyRun", "PolicySettings", "Reflect", "SingleModel",
-    "SpecReason", "StepPolicy", "Written", "build_policy", "discard", "make_policy", "outcome", "policy_entry",
-    "router_features", "with_reasoning", "write_step",
+    "ALL_POLICY_NAMES", "DEFAULT_POLICY", "JUDGES", "POLICIES", "POLICY_NAMES", "REPAIRS", "SCORE_MODES", "Arbitrage",
+    "CollectPairs", "NoOptions", "Policy", "PolicyEntry", "PolicyOptions", "PolicyRun", "PolicySettings", "Reflect",
+    "SingleModel", "SpecReason", "StepPolicy", "Written", "build_policy", "discard", "is_step_policy", "make_policy",
+    "outcome", "policy_entry", "router_features", "with_reasoning", "write_step",
 ]

@@ -42,7 +42,7 @@ DEFAULT_ROUTER = "heuristic"
 
 async def router_features(ctx: StepContext, top_k: int = ROUTER_TOP_K):
     """What an Arbitrage router sees before the step is drafted (one small-model forward)."""
-    from thinkahead.verifiers.router import RouterFeatures, entropy_from_logprobs, opens_with_reflection
+    from thinkahead.verifiers.router_features import RouterFeatures, entropy_from_logprobs, opens_with_reflection
 
     prompt = ctx.small.render(ctx.messages(), continue_final=bool(ctx.steps))
     logprobs = await ctx.small.next_token_logprobs(prompt, top_k)
@@ -128,7 +128,7 @@ class CollectRun:
     judge: LLMJudge
 
     async def next_step(self, ctx: StepContext) -> StepOutcome:
-        from thinkahead.verifiers.router import PairedStep
+        from thinkahead.verifiers.router_pairs import PairedStep
 
         t0 = time.perf_counter()
         features = await router_features(ctx)
@@ -155,7 +155,7 @@ _append_lock = threading.Lock()
 def append_pairs(path: str | os.PathLike[str], pairs: Iterable[Any]) -> int:
     """Append `PairedStep`s to a JSONL file, each line in one write, so that concurrent writers
     (runs, threads, processes) never interleave or tear lines; returns how many."""
-    from thinkahead.verifiers.router import PairedStep
+    from thinkahead.verifiers.router_pairs import PairedStep
 
     lines = []
     for pair in pairs:

@@ -18,8 +18,9 @@ The functions here are pure string functions, independent of any model or backen
   step keeps its delimiter, so ``step.consumed + step.rest == generated`` always holds and
   consecutive steps concatenate back to the original text.
 - `split_steps(text, config)`: cut a whole trace into steps (e.g. for router training data).
-- `has_final_answer`, `is_repeated`: the stop tests policies apply after each step (SpecReason
-  stops on ``boxed`` / ``Answer:`` and on a step identical to the previous one).
+- `has_final_answer` (from `thinkahead.verifiers.grading.final_answer`, the one final-answer module
+  that grading reads too), `is_repeated`: the stop tests policies apply after each step
+  (SpecReason stops on ``boxed`` / ``Answer:`` and on a step identical to the previous one).
 - `join_steps`, `strip_think_tags`: build the thinking prefix for the next call.
 """
 
@@ -31,6 +32,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import BaseModel, Field, field_validator
+
+from thinkahead.verifiers.grading.final_answer import has_final_answer
 
 __all__ = [
     "THINK_CLOSE",
@@ -124,23 +127,6 @@ def stop_strings(config: SegmentConfig) -> list[str]:
     if THINK_CLOSE not in stops:
         stops.append(THINK_CLOSE)
     return stops
-
-
-# --- final answers -------------------------------------------------------------------------------
-
-_BOXED = re.compile(r"\\boxed\s*\{")
-# A line starting with "Answer:" or "Final answer:", allowing markdown decoration such as
-# "**Final Answer:**", "### Answer:" or "- Answer:".
-_ANSWER_LINE = re.compile(
-    r"^[ \t]*(?:[*_#>\-][ \t]*)*(?:final[ \t]+)?answer[ \t]*[*_]*[ \t]*:",
-    re.IGNORECASE | re.MULTILINE,
-)
-
-
-def has_final_answer(text: str) -> bool:
-    """Whether ``text`` holds a final answer: ``\\boxed{`` anywhere, or a line starting with
-    ``Answer:`` / ``Final answer:`` (any case, markdown emphasis or heading marks allowed)."""
-    return bool(_BOXED.search(text) or _ANSWER_LINE.search(text))
 
 
 # --- boundaries ----------------------------------------------------------------------------------

@@ -36,7 +36,8 @@ from thinkahead.step_spec.base import (
 )
 from thinkahead.step_spec.segment import closes_step, cut_step
 from thinkahead.step_spec.state import StepContext, StepOutcome
-from thinkahead.verifiers.judge import LLMJudge, StepVerifier, Verdict
+from thinkahead.verifiers.base import StepVerifier
+from thinkahead.verifiers.judge import LLMJudge, Verdict
 
 Judge = Literal["llm", "agreement"]  # the 0-9 judge prompt, or token agreement
 Repair = Literal["step", "token"]  # after a failed agreement check: the large model finishes the step, or fixes one token
@@ -93,7 +94,7 @@ class SpecReason(Policy):
 
     def make_verifier(self, large: LanguageModel) -> StepVerifier:
         """The verifier the settings describe, over `large`."""
-        from thinkahead.verifiers.prm import AgreementVerifier
+        from thinkahead.verifiers.agreement import AgreementVerifier
 
         o = self.options
         if o.judge == "agreement":
@@ -102,7 +103,7 @@ class SpecReason(Policy):
 
     def verifier_for(self, ctx: StepContext) -> StepVerifier:
         """One run's verifier: the given one, seen over the run's large model; else the settings' one."""
-        from thinkahead.verifiers.prm import AgreementVerifier
+        from thinkahead.verifiers.agreement import AgreementVerifier
 
         given = self.verifier
         if given is None:

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from thinkahead.verifiers import checkers
-from thinkahead.verifiers.checkers import (
+from thinkahead.verifiers.grading import latex
+from thinkahead.verifiers.grading import (
     AnswerChecker,
     CodeChecker,
     CodeResult,
@@ -179,7 +179,7 @@ def test_math_equal_symbolic_with_sympy(a: str, b: str) -> None:
 
 
 def test_math_equal_without_sympy_falls_back_to_strings(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(checkers, "_sympy", lambda: None)
+    monkeypatch.setattr(latex, "_sympy", lambda: None)
     assert not math_equal("p - q", "-q + p")  # needs algebra
     assert math_equal("p - q", "p-q")  # same normalised string
     assert math_equal(r"\frac{1}{2}", "0.5")  # numbers never need sympy

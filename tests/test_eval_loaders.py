@@ -20,7 +20,7 @@ from thinkahead.evals.bfcl import BfclChecker, BfclEnvironment, ground_truth_tra
 from thinkahead.evals.checkers import HumanEvalChecker, SqlChecker, sql_tokens
 from thinkahead.evals.loaders import BOXED, gsm8k_final, select
 from thinkahead.evals.puzzles import PuzzleChecker, countdown_tasks, evaluate, game24_puzzle, game24_tasks, solve
-from thinkahead.verifiers.checkers import MathChecker, parse_number
+from thinkahead.verifiers.grading import MathChecker, parse_number
 from thinkahead.workflows import WORKFLOWS, build_workflow
 
 

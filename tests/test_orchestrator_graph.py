@@ -11,6 +11,20 @@ def _tool(state):
     return 1
 
 
+def tool_graph(*names: str) -> StepGraph:
+    """A graph holding one tool node of each name; the edges are the test's."""
+    g = StepGraph()
+    for name in names:
+        g.add_tool(name, _tool)
+    return g
+
+
+def refused(g: StepGraph, match: str) -> None:
+    """`compile` refuses `g` with a GraphError matching `match`."""
+    with pytest.raises(GraphError, match=match):
+        g.compile()
+
+
 def test_template_fields_reads_named_keys_once():
     assert template_fields("Q: {question} D: {draft} again {question} {obs[0]}") == ("question", "draft", "obs")
     with pytest.raises(GraphError, match="positional field"):
@@ -27,11 +41,9 @@ def test_a_valid_sequence_compiles_and_names_its_output():
 
 
 def test_unknown_node_in_an_edge():
-    g = StepGraph()
-    g.add_tool("a", _tool)
+    g = tool_graph("a")
     g.add_sequence(START, "a", "b", END)
-    with pytest.raises(GraphError, match=r"edge a -> b: unknown node 'b'"):
-        g.compile()
+    refused(g, r"edge a -> b: unknown node 'b'")
 
 
 def test_duplicate_node_and_reserved_names():
@@ -44,68 +56,52 @@ def test_duplicate_node_and_reserved_names():
 
 
 def test_unreachable_end():
-    g = StepGraph()
-    g.add_tool("a", _tool)
+    g = tool_graph("a")
     g.add_edge(START, "a")
-    with pytest.raises(GraphError, match="a never reaches END|END is unreachable"):
-        g.compile()
+    refused(g, "a never reaches END|END is unreachable")
 
 
 def test_node_unreachable_from_start():
-    g = StepGraph()
-    g.add_tool("a", _tool)
-    g.add_tool("orphan", _tool)
+    g = tool_graph("a", "orphan")
     g.add_sequence(START, "a", END)
     g.add_edge("orphan", END)
-    with pytest.raises(GraphError, match="node 'orphan' is unreachable from START"):
-        g.compile()
+    refused(g, "node 'orphan' is unreachable from START")
 
 
 def test_unbounded_cycle_is_named():
-    g = StepGraph()
-    g.add_tool("a", _tool)
-    g.add_tool("b", _tool)
+    g = tool_graph("a", "b")
     g.add_sequence(START, "a", "b", "a")
     g.add_edge("b", END)
-    with pytest.raises(GraphError, match=r"unbounded cycle (a -> b -> a|b -> a -> b).*loop node"):
-        g.compile()
+    refused(g, r"unbounded cycle (a -> b -> a|b -> a -> b).*loop node")
 
 
 def test_loop_needs_body_and_exit_edges_and_a_bound():
     with pytest.raises(GraphError, match="max_iters"):
         StepGraph().add_loop("l", max_iters=0)
-    g = StepGraph()
-    g.add_loop("l", max_iters=2)
-    g.add_tool("a", _tool)
+    g = tool_graph("a").add_loop("l", max_iters=2)
     g.add_edge(START, "l")
     g.add_edge("l", "a")  # unlabelled
     g.add_edge("a", "l")
     g.add_edge("a", END)
-    with pytest.raises(GraphError, match="loop 'l' needs exactly two out-edges"):
-        g.compile()
+    refused(g, "loop 'l' needs exactly two out-edges")
 
 
 def test_edges_may_not_enter_or_leave_a_loop_body_sideways():
-    g = StepGraph()
-    g.add_loop("l", max_iters=2)
-    g.add_tool("body", _tool)
-    g.add_tool("after", _tool)
+    g = tool_graph("body", "after").add_loop("l", max_iters=2)
     g.add_edge(START, "l")
     g.add_edge("l", "body", "body")
     g.add_edge("body", "l")
     g.add_edge("l", "after", "exit")
     g.add_edge("body", "after")
     g.add_edge("after", END)
-    with pytest.raises(GraphError, match="edge body -> after leaves the body of loop 'l'"):
-        g.compile()
+    refused(g, "edge body -> after leaves the body of loop 'l'")
 
 
 def test_missing_input_is_named():
     g = StepGraph(inputs=["question"])
     g.add_generate("a", "{question} {draft}")
     g.add_sequence(START, "a", END)
-    with pytest.raises(GraphError, match=r"node 'a' reads 'draft'"):
-        g.compile()
+    refused(g, r"node 'a' reads 'draft'")
 
 
 def test_input_written_only_by_a_later_node_is_missing():
@@ -113,8 +109,7 @@ def test_input_written_only_by_a_later_node_is_missing():
     g.add_generate("a", "{b}")
     g.add_generate("b", "{question}")
     g.add_sequence(START, "a", "b", END)
-    with pytest.raises(GraphError, match=r"node 'a' reads 'b'"):
-        g.compile()
+    refused(g, r"node 'a' reads 'b'")
 
 
 def test_parallel_writers_of_one_key():
@@ -125,22 +120,15 @@ def test_parallel_writers_of_one_key():
     g.add_edge(START, "b")
     g.add_edge("a", END)
     g.add_edge("b", END)
-    with pytest.raises(GraphError, match="'a' and 'b' can run in parallel and both write 'x'"):
-        g.compile()
+    refused(g, "'a' and 'b' can run in parallel and both write 'x'")
 
 
 def test_join_needs_two_branches_and_first_finish_branches_must_be_closed():
-    g = StepGraph()
-    g.add_tool("a", _tool)
-    g.add_join("j")
+    g = tool_graph("a").add_join("j")
     g.add_sequence(START, "a", "j", END)
-    with pytest.raises(GraphError, match="join 'j' needs at least two incoming branches"):
-        g.compile()
+    refused(g, "join 'j' needs at least two incoming branches")
 
-    g = StepGraph()
-    g.add_fork("f")
-    g.add_tool("a", _tool)
-    g.add_tool("b", _tool)
+    g = tool_graph("a", "b").add_fork("f")
     g.add_tool("leak", _tool, inputs=["a"])
     g.add_join("j", first=True)
     g.add_edge(START, "f")
@@ -149,8 +137,7 @@ def test_join_needs_two_branches_and_first_finish_branches_must_be_closed():
     g.add_edge("a", "leak")
     g.add_edge("leak", END)
     g.add_edge("j", END)
-    with pytest.raises(GraphError, match="node 'a' is in a first-finish branch of join 'j' but also feeds 'leak'"):
-        g.compile()
+    refused(g, "node 'a' is in a first-finish branch of join 'j' but also feeds 'leak'")
 
 
 def test_bad_tier_and_bad_prompt():

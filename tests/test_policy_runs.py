@@ -153,7 +153,7 @@ def test_an_object_with_only_next_step_still_steps() -> None:
 def test_two_collect_runs_append_whole_lines_to_one_pairs_file(tmp_path) -> None:
     from thinkahead.step_spec.loop import StepBudget
     from thinkahead.step_spec.policies import CollectPairs
-    from thinkahead.verifiers.router import read_pairs
+    from thinkahead.verifiers.router_pairs import read_pairs
 
     pairs = tmp_path / "pairs.jsonl"
 
@@ -177,7 +177,8 @@ def test_two_collect_runs_append_whole_lines_to_one_pairs_file(tmp_path) -> None
 
 def test_pairs_appended_from_threads_never_tear(tmp_path) -> None:
     from thinkahead.step_spec.routing import append_pairs
-    from thinkahead.verifiers.router import PairedStep, RouterFeatures
+    from thinkahead.verifiers.router_features import RouterFeatures
+    from thinkahead.verifiers.router_pairs import PairedStep
 
     path = tmp_path / "pairs.jsonl"
     features = RouterFeatures(step_index=0, prev_score=None, small_entropy=0.5, prev_step_tokens=0,

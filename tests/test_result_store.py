@@ -50,13 +50,19 @@ def test_append_then_read_back(tmp_path):
     assert store.done_ids() == {"1", "2"}  # errors run again on resume
 
 
-def test_reading_skips_a_torn_last_line_and_never_changes_the_file(tmp_path):
+def store_with_torn_tail(tmp_path):
+    """A store holding run "1" and, after it, the first bytes of a second record (a write cut short)."""
     path = tmp_path / "runs.jsonl"
     with ResultStore(path) as store:
         store.append(run_record("1"))
     torn = b'{"id": "2", "workflow": "w", "sta'
     with open(path, "ab") as f:
         f.write(torn)
+    return path, torn
+
+
+def test_reading_skips_a_torn_last_line_and_never_changes_the_file(tmp_path):
+    path, torn = store_with_torn_tail(tmp_path)
     before = path.read_bytes()
     store = ResultStore(path)
     assert [r.id for r in store] == ["1"] and store.torn_bytes == len(torn)
@@ -66,17 +72,37 @@ def test_reading_skips_a_torn_last_line_and_never_changes_the_file(tmp_path):
 
 
 def test_a_writer_moves_a_torn_tail_aside_before_appending(tmp_path):
-    path = tmp_path / "runs.jsonl"
-    with ResultStore(path) as store:
-        store.append(run_record("1"))
-    torn = b'{"id": "2", "workflow": "w", "sta'
-    with open(path, "ab") as f:
-        f.write(torn)
+    path, torn = store_with_torn_tail(tmp_path)
     with ResultStore(path) as store:
         store.append(run_record("2"))
         assert store.moved_torn_to == tmp_path / "runs.jsonl.torn"
     assert [r.id for r in ResultStore(path)] == ["1", "2"]
     assert (tmp_path / "runs.jsonl.torn").read_bytes() == torn + b"\n"  # the cut bytes are kept
+
+
+def test_a_resume_reads_the_store_once(tmp_path, monkeypatch):
+    """`open_for_append` keeps each run's last status as it checks the file; `done_ids` of the open store
+    answers from it (and from what was appended since) without reading the file again."""
+    path = tmp_path / "runs.jsonl"
+    with ResultStore(path) as store:
+        for rid, status in (("1", "ok"), ("2", "error"), ("3", "ok"), ("3", "error"), ("4", "budget")):
+            store.append(run_record(rid, status=status))
+    reads = []
+    lines = ResultStore._lines
+    monkeypatch.setattr(ResultStore, "_lines", lambda self: reads.append(self.path) or lines(self))
+    seen = []
+    with ResultStore(path) as store:
+        store.open_for_append(seen.append)
+        assert [(r.id, r.status) for r in seen] == [("1", "ok"), ("2", "error"), ("3", "ok"), ("3", "error"),
+                                                    ("4", "budget")]
+        assert store.done_ids() == {"1", "4"}  # the last record of an id wins
+        store.append(run_record("2"))  # the retry of a failed run
+        store.append(run_record("1", status="error"))
+        assert store.done_ids() == {"2", "4"}
+        store.open_for_append()  # idempotent: reads nothing
+        assert reads == [path]
+    assert ResultStore(path).done_ids() == {"2", "4"}  # a closed store reads the file: the same answer
+    assert reads == [path, path]
 
 
 def test_a_file_that_is_not_a_store_is_neither_changed_nor_written(tmp_path):

@@ -1,4 +1,4 @@
-"""Tests for the Arbitrage step router (`thinkahead.verifiers.router`)."""
+"""Tests for the Arbitrage step router (`thinkahead.verifiers.router`, `router_features`, `router_pairs`)."""
 
 from __future__ import annotations
 
@@ -9,22 +9,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from thinkahead.verifiers.router import (
+from thinkahead.verifiers.router import HeuristicRouter, LogisticRouter, StepRouter, load_router
+from thinkahead.verifiers.router_features import (
     FEATURE_NAMES,
     REFLECTION_CUES,
-    HeuristicRouter,
-    LogisticRouter,
-    PairedStep,
     RouterFeatures,
-    StepRouter,
     entropy_from_logprobs,
-    label,
-    load_router,
     opens_with_reflection,
-    read_pairs,
-    train_router,
-    write_pairs,
 )
+from thinkahead.verifiers.router_pairs import PairedStep, label, read_pairs, train_router, write_pairs
 
 
 def feats(

@@ -21,7 +21,7 @@ import time
 
 import pytest
 
-from thinkahead.verifiers.checkers import CodeChecker, humaneval_tests
+from thinkahead.verifiers.grading import CodeChecker, humaneval_tests
 
 LINUX = sys.platform.startswith("linux")
 ADD = "def add(a, b):\n    return a + b\n"

@@ -106,6 +106,28 @@ def test_an_orchestrator_as_a_node_of_another_graph():
     assert "The expert says 391. Summarize." in outer_small.generated_prompts()[0]
 
 
+def test_a_policy_is_a_name_settings_or_an_object_that_starts_runs():
+    from thinkahead.step_spec.policies import SpecReason
+    from thinkahead.step_spec.state import StepOutcome
+
+    small, large = scripted_pair()
+    spec = SpecReason(threshold=5)
+    orch = Orchestrator(small, large, spec)
+    assert orch.runtime.policy is spec and orch.run_sync("cot", "What is 17 * 23?").answer == "391"
+    assert Orchestrator(small, large, {"name": "specreason", "threshold": 3}).config.policy.threshold == 3
+
+    class Fixed:  # written before start(ctx): steps as it is, as the step loop allows
+        name = "fixed"
+
+        async def next_step(self, ctx):
+            return StepOutcome(text="\\boxed{12}", author="small", verdict="baseline")
+
+    assert Orchestrator(small, large, Fixed()).run_sync("cot", "q").answer == "12"
+    for wrong in (42, ["specreason"], object()):
+        with pytest.raises(ValueError, match=rf"policy must be a policy name, .* got {type(wrong).__name__}"):
+            Orchestrator(small, large, wrong)
+
+
 def test_model_specs_are_checked_before_loading():
     with pytest.raises(ValueError, match="cannot resolve model spec 'no-such-model'"):
         load_model("no-such-model")

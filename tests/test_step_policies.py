@@ -190,7 +190,8 @@ def test_arbitrage_routes_before_drafting() -> None:
 
 def test_collect_pairs_then_train_a_router(tmp_path) -> None:
     from thinkahead.step_spec.policies import CollectPairs
-    from thinkahead.verifiers.router import LogisticRouter, read_pairs, train_router
+    from thinkahead.verifiers.router import LogisticRouter
+    from thinkahead.verifiers.router_pairs import read_pairs, train_router
 
     pairs = tmp_path / "pairs.jsonl"
 
@@ -217,7 +218,7 @@ def test_collect_pairs_then_train_a_router(tmp_path) -> None:
 
 
 def test_likelihood_prm_scores_and_plugs_into_specreason() -> None:
-    from thinkahead.verifiers.prm import LikelihoodPRM
+    from thinkahead.verifiers.likelihood import LikelihoodPRM
 
     class Scoring(ScriptedModel):
         async def continuation_logprobs(self, prompt, continuation):
@@ -253,7 +254,7 @@ class AgreeingModel(ScriptedModel):
 
 
 def test_agreement_judge_checks_digits_and_repairs_from_the_first_disagreement() -> None:
-    from thinkahead.verifiers.prm import AgreementVerifier
+    from thinkahead.verifiers.agreement import AgreementVerifier
 
     # "41" is a wrong product the large model disagrees with; "sum" is a wording difference
     small = ScriptedModel(["17 * 3 = 51, the sum.\n\n", "17 * 2 = 41 so far.\n\n", "Answer: 85"], name="small")
@@ -323,7 +324,8 @@ def test_router_train_command(tmp_path) -> None:
     from click.testing import CliRunner
 
     from thinkahead.cli import main
-    from thinkahead.verifiers.router import PairedStep, RouterFeatures, write_pairs
+    from thinkahead.verifiers.router_features import RouterFeatures
+    from thinkahead.verifiers.router_pairs import PairedStep, write_pairs
 
     pairs = []
     for i in range(12):

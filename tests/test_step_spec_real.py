@@ -10,7 +10,7 @@ import pytest
 from thinkahead.step_spec.loop import StepBudget, StepLoop
 from thinkahead.step_spec.policies import SpecReason
 from thinkahead.step_spec.segment import SegmentConfig
-from thinkahead.verifiers.checkers import MathChecker
+from thinkahead.verifiers.grading import MathChecker
 
 pytestmark = pytest.mark.slow
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 import json
 import os
 import tomllib
+from collections.abc import Iterable
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +33,17 @@ from thinkahead.step_spec.segment import SegmentConfig
 # local models take seconds to a few minutes; each model call is bounded too, by its backend's
 # `call_timeout_s` (thinkahead.models.http.DEFAULT_CALL_TIMEOUT_S) and `budget.max_call_s`.
 DEFAULT_RUN_WALL_S = 1800.0
+# `thinkahead serve`'s runs in flight at once where neither `--concurrency` nor the config file
+# sets `concurrency`: a server answers many clients, a batch run (`OrchestratorConfig.concurrency`) one at a time.
+SERVE_CONCURRENCY = 4
+
+
+def one_of(value: str, names: Iterable[str], what: str) -> str:
+    """`value` if a registry (`names`) holds it; a ValueError listing the choices otherwise."""
+    names = tuple(names)
+    if value not in names:
+        raise ValueError(f"unknown {what} {value!r}; choose one of {', '.join(names)}")
+    return value
 
 
 class ModelConfig(BaseModel, extra="forbid"):
@@ -55,9 +68,7 @@ class ModelConfig(BaseModel, extra="forbid"):
     def _known_dtype(cls, value: str) -> str:
         from thinkahead.models.weights import DTYPES
 
-        if value not in DTYPES:
-            raise ValueError(f"unknown dtype {value!r}; choose one of {', '.join(DTYPES)}")
-        return value
+        return one_of(value, DTYPES, "dtype")
 
     @field_validator("drafter")
     @classmethod
@@ -151,9 +162,7 @@ class OrchestratorConfig(BaseModel, extra="forbid"):
     def _known_workflow(cls, value: str) -> str:
         from thinkahead.workflows import WORKFLOWS
 
-        if value not in WORKFLOWS:
-            raise ValueError(f"unknown workflow {value!r}; built-in workflows: {', '.join(WORKFLOWS)}")
-        return value
+        return one_of(value, WORKFLOWS, "workflow")
 
     def store_identity(self) -> dict[str, Any]:
         """The settings a result store records: a resume must match them (all but `RESUME_NEUTRAL`)."""
@@ -199,3 +208,20 @@ class OrchestratorConfig(BaseModel, extra="forbid"):
             return cls.model_validate(data)
         except ValidationError as exc:
             raise ValueError(explain(exc, f"config file {path}")) from None
+
+
+@cache
+def _defaults() -> OrchestratorConfig:
+    return OrchestratorConfig()
+
+
+def default(path: str) -> Any:
+    """The built-in default of one setting, by its dotted path in `OrchestratorConfig`
+    (`"small.spec"`, `"policy.threshold"`, `"steps.max_tokens"`): the CLI's options read their
+    defaults here, so each lives once, in the models above."""
+    node: Any = _defaults()
+    for key in path.split("."):
+        if not isinstance(node, BaseModel) or key not in type(node).model_fields:
+            raise KeyError(f"OrchestratorConfig has no setting {path!r}")
+        node = getattr(node, key)
+    return node

@@ -24,6 +24,8 @@ import os
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Mapping
 from typing import Any, TypeVar
 
+from pydantic import BaseModel
+
 from thinkahead.config import OrchestratorConfig
 from thinkahead.errors import RunFailed
 from thinkahead.models.base import LanguageModel
@@ -31,6 +33,8 @@ from thinkahead.orchestrator.graph import CompiledGraph, StepGraph
 from thinkahead.orchestrator.runtime import Runtime
 from thinkahead.orchestrator.store import ResultStore
 from thinkahead.orchestrator.trace import RunResult, TraceEvent
+from thinkahead.step_spec.base import is_step_policy
+from thinkahead.step_spec.state import TIERS
 
 Workflow = str | StepGraph | CompiledGraph | None
 BatchWorkflow = Workflow | Callable[[str], StepGraph | CompiledGraph]  # a graph per run id
@@ -65,16 +69,19 @@ class Orchestrator:
             config = OrchestratorConfig.from_file(config)
         base = config.model_dump() if isinstance(config, OrchestratorConfig) else dict(config or {})
         self._instances: dict[str, LanguageModel] = {}
-        for tier, value in (("small", small), ("large", large)):
+        for tier, value in zip(TIERS, (small, large)):
             if isinstance(value, LanguageModel):
                 self._instances[tier] = value
             elif value is not None:
                 base[tier] = value
         self._policy = None
-        if policy is not None and hasattr(policy, "next_step"):
-            self._policy = policy  # a StepPolicy object
+        if isinstance(policy, (str, Mapping, BaseModel)):
+            base["policy"] = policy  # a registered policy's name or settings, validated with the config
+        elif is_step_policy(policy):
+            self._policy = policy  # a policy object: `start(ctx)` (or, written before it, `next_step(ctx)`)
         elif policy is not None:
-            base["policy"] = policy
+            raise ValueError(f"policy must be a policy name, its settings (a mapping) or a policy object with "
+                             f"start(ctx), got {type(policy).__name__} {policy!r:.60}")
         base.update(settings)
         self.config = OrchestratorConfig.model_validate(base)
         self._runtime: Runtime | None = None
@@ -105,7 +112,7 @@ class Orchestrator:
 
         loaded: dict[tuple, LanguageModel] = {}
         out = []
-        for tier in ("small", "large"):
+        for tier in TIERS:
             if tier in self._instances:
                 out.append(self._instances[tier])
                 continue

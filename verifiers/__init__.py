@@ -1,1 +1,2 @@
-"""Judges, process reward models, routers and answer checkers; arrives with the step-level issue."""
+"""Verifiers: step verifiers (`base.StepVerifier`: `judge`, `agreement`, `likelihood`), Arbitrage routers
+(`router`, `router_features`, `router_pairs`), answer grading (`grading`) and the code sandbox (`sandbox`)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Literal
 
 from thinkahead.models.base import LanguageModel
 
@@ -33,10 +33,6 @@ class Verdict:
     digit_mass: float = 0.0  # probability mass the judge put on digits (low: the prompt confused it)
     details: dict[str, float] = field(default_factory=dict)
     correction: str = ""  # what the verifier would write where the step first fails ("" if it cannot say)
-
-
-class StepVerifier(Protocol):
-    async def judge(self, messages: list[dict[str, str]], step: str) -> Verdict: ...
 
 
 def judge_messages(messages: list[dict[str, str]], step: str) -> list[dict[str, str]]:

@@ -12,7 +12,7 @@ import asyncio
 from collections.abc import Callable
 
 from thinkahead.orchestrator.graph import END, START, GraphError, StepGraph
-from thinkahead.verifiers.checkers import extract_code
+from thinkahead.verifiers.grading.code import extract_code
 
 WRITE = "Complete this Python function. Reply with the whole function in one ```python block.\n\n{question}"
 FIX = (

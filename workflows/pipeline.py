@@ -8,7 +8,7 @@ own answer, which then wins.
 from __future__ import annotations
 
 from thinkahead.orchestrator.graph import END, START, StepGraph
-from thinkahead.verifiers.checkers import extract_final_answer
+from thinkahead.verifiers.grading.final_answer import extract_final_answer
 
 PLAN = "Write a short numbered plan (at most 4 steps, no calculations) for solving this problem.\n\nProblem: {question}"
 SOLVE = "{question}\n\nFollow this plan:\n{plan}"
@@ -31,7 +31,7 @@ def _decide(state: dict) -> str:
 def pipeline(*, planner: str = "large", checker: str = "large", max_steps: int | None = None,
              max_tokens: int | None = None) -> StepGraph:
     """question -> plan -> solution (step policy) -> review -> answer."""
-    g = StepGraph("pipeline", inputs=["question"], output="answer")
+    g = StepGraph("pipeline", inputs=["question"], output="answer", answer_extractor=extract_final_answer)
     g.add_generate("plan", PLAN, tier=planner, max_tokens=96)
     g.add_think("solution", SOLVE, max_steps=max_steps, max_tokens=max_tokens)
     g.add_generate("review", CHECK, tier=checker, max_tokens=96)

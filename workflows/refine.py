@@ -8,7 +8,7 @@ fix.
 from __future__ import annotations
 
 from thinkahead.orchestrator.graph import END, START, StepGraph
-from thinkahead.verifiers.checkers import extract_final_answer
+from thinkahead.verifiers.grading.final_answer import extract_final_answer
 
 SOLVE = "Solve the problem. Reason step by step and put the final answer in \\boxed{{}}.\n\nProblem: {question}"
 CRITIQUE = (

@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections import Counter
 
 from thinkahead.orchestrator.graph import END, START, GraphError, StepGraph
-from thinkahead.verifiers.checkers import normalize_math
+from thinkahead.verifiers.grading.final_answer import extract_final_answer
+from thinkahead.verifiers.grading.latex import normalize_math
 
 VOTE_MODES = ("majority", "first")
 
@@ -28,7 +29,7 @@ def vote(*, n: int = 3, mode: str = "majority", temperature: float = 0.7, max_st
         raise GraphError(f"vote mode must be one of {VOTE_MODES}, got {mode!r}")
     if n < 2:
         raise GraphError(f"vote needs n >= 2 chains, got {n}")
-    g = StepGraph("vote", inputs=["question"], output="answer")
+    g = StepGraph("vote", inputs=["question"], output="answer", answer_extractor=extract_final_answer)
     g.add_fork("fork")
     g.add_join("answer", first=mode == "first", merge=None if mode == "first" else majority)
     g.add_edge(START, "fork")

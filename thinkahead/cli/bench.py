@@ -8,6 +8,9 @@ import click
 
 from thinkahead.cli.options import POLICIES, InputError, build_settings, grader, orchestrator_options, quiet_loading
 from thinkahead.cli.progress import summary_table
+from thinkahead.config import default
+from thinkahead.workflows import WORKFLOWS
+from thinkahead.verifiers.grading import CHECKER_NAMES
 
 
 @click.command()
@@ -15,7 +18,8 @@ from thinkahead.cli.progress import summary_table
                 type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--suite", default=None, help="A named suite instead of INPUT.jsonl: gsm8k-50, math500-30, humaneval-20, "
               "agentic-refine, agentic-codefix, agentic-pipeline, tools-bfcl-20, countdown-20, game24-20.")
-@click.option("-w", "--workflow", default=None, help="Workflow: cot, react, refine, vote, pipeline, codefix [cot, or the suite's].")
+@click.option("-w", "--workflow", default=None,
+              help=f"Workflow: {', '.join(WORKFLOWS)} [{default('workflow')}, or the suite's].")
 @click.option("--policies", default="large,small,specreason", show_default=True, help="Comma-separated step policies.")
 @click.option("--thresholds", default="", help="specreason thresholds to sweep, e.g. 5,7,9 (default: the config's).")
 @click.option("--judges", default="", help="specreason verifiers to compare, e.g. llm,agreement (default: --judge).")
@@ -24,7 +28,7 @@ from thinkahead.cli.progress import summary_table
 @click.option("-o", "--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), required=True,
               help="Folder for the run stores, report.md, report.json and the plots (resumable).")
 @click.option("--limit", type=int, default=None, help="Only the first N tasks.")
-@click.option("--checker", type=click.Choice(["math", "exact"]), default="math", show_default=True,
+@click.option("--checker", type=click.Choice(CHECKER_NAMES), default="math", show_default=True,
               help="Grading of INPUT.jsonl answers (a suite brings its own checker).")
 @orchestrator_options
 def bench(input_path, suite, workflow, policies, thresholds, judges, token_spec, out_dir, limit, checker, **options) -> None:

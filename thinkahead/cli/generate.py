@@ -18,8 +18,9 @@ from typing import Iterator
 
 import click
 
-from thinkahead.models.weights import DTYPES
 from thinkahead.cli.options import InputError, same_file
+from thinkahead.config import default
+from thinkahead.models.weights import DTYPES
 from thinkahead.token_spec.names import DRAFTER_KINDS, MODEL_DRAFT_KINDS
 
 
@@ -125,16 +126,17 @@ def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
               help='JSONL of {"id": ..., "prompt": ...} lines.')
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path),
               help="Append results here as JSONL (and skip ids already in it).")
-@click.option("-m", "--model", default="qwen2.5-coder-0.5b", show_default=True,
+@click.option("-m", "--model", default=default("small.spec"), show_default=True,
               help="Target model: a packaged name (thinkahead models list), gguf:PATH, hf:ID or a directory.")
-@click.option("--drafter", type=click.Choice(DRAFTER_KINDS), default="suffix", show_default=True)
+@click.option("--drafter", type=click.Choice(DRAFTER_KINDS), default=default("small.drafter"), show_default=True)
 @click.option("--draft-model", default=None, help="Small model for --drafter draft-model / hybrid.")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=256, show_default=True)
-@click.option("--max-draft", type=click.IntRange(min=0), default=16, show_default=True, help="Most draft tokens per round.")
+@click.option("--max-draft", type=click.IntRange(min=0), default=default("small.max_draft"), show_default=True,
+              help="Most draft tokens per round.")
 @click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True)
 @click.option("--top-p", type=click.FloatRange(min=0, min_open=True, max=1), default=1.0, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--dtype", type=click.Choice(list(DTYPES)), default="bfloat16", show_default=True)
+@click.option("--dtype", type=click.Choice(list(DTYPES)), default=default("small.dtype"), show_default=True)
 @click.option("--cache-file", type=click.Path(dir_okay=False, path_type=Path),
               help="Suffix cache to load before and save after the batch (a warm cache across jobs).")
 def generate(prompts, input_path, output, model, drafter, draft_model, max_new_tokens, max_draft,
@@ -167,12 +169,10 @@ def generate(prompts, input_path, output, model, drafter, draft_model, max_new_t
                 "max_new_tokens": max_new_tokens, "max_draft": max_draft, "temperature": temperature,
                 "top_p": top_p, "seed": seed}
     out_log = generation_log(output, settings) if output is not None else None
+    skip: set[str] = set()
     try:
         if out_log is not None:
-            out_log.open_for_append()
-            skip = {r["id"] for r in out_log}
-        else:
-            skip = set()
+            out_log.open_for_append(lambda record: skip.add(record["id"]))  # one read: checks and ids
     except LogError as exc:
         raise InputError(str(exc)) from None
     if out_log is not None and out_log.moved_torn_to is not None:

@@ -8,8 +8,9 @@ from typing import Any
 
 import click
 
+from thinkahead.config import default
 from thinkahead.models.weights import DTYPES
-from thinkahead.step_spec.policies import POLICY_NAMES
+from thinkahead.step_spec.policies import JUDGES, POLICY_NAMES, REPAIRS
 
 POLICIES = POLICY_NAMES  # the registry's policies for batch runs (run, bench, serve)
 
@@ -31,7 +32,8 @@ def same_file(a: Path, b: Path) -> bool:
 
 
 def open_store(path: Path, config: dict[str, Any] | None, inputs: tuple[Path, ...] = ()):
-    """A result store checked for writing (recognised, same configuration, writable) before any model loads."""
+    """A result store checked for writing (recognised, same configuration, writable) before any model loads;
+    open, it keeps what it read (`store.done_ids()` reads nothing more)."""
     from thinkahead.orchestrator.store import LogError, ResultStore
 
     for source in inputs:
@@ -48,28 +50,37 @@ def open_store(path: Path, config: dict[str, Any] | None, inputs: tuple[Path, ..
 
 
 def orchestrator_options(fn):
-    """The options `run`, `bench` and `serve` share: models, policy, budgets, config file."""
+    """The options `run`, `bench` and `serve` share: models, policy, budgets, config file.
+
+    Each one left out keeps the config file's value, or the built-in default (`config.default`,
+    shown in brackets)."""
     options = [
         click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
                      default=None, help="YAML/TOML/JSON orchestrator config; the options below override it."),
-        click.option("--small", default=None, help="Small (drafting) model spec [qwen2.5-coder-0.5b]."),
-        click.option("--large", default=None, help="Large (judging) model spec [qwen2.5-coder-1.5b]."),
-        click.option("--dtype", type=click.Choice(list(DTYPES)), default=None, help="Local model dtype [int8]."),
-        click.option("--threshold", type=float, default=None, help="specreason: accept drafts scoring at least this [7]."),
-        click.option("--judge", type=click.Choice(["llm", "agreement"]), default=None,
+        click.option("--small", default=None, help=f"Small (drafting) model spec [{default('small.spec')}]."),
+        click.option("--large", default=None, help=f"Large (judging) model spec [{default('large.spec')}]."),
+        click.option("--dtype", type=click.Choice(list(DTYPES)), default=None,
+                     help=f"Local model dtype [{default('large.dtype')}]."),
+        click.option("--threshold", type=float, default=None,
+                     help=f"specreason: accept drafts scoring at least this [{default('policy.threshold'):g}]."),
+        click.option("--judge", type=click.Choice(JUDGES), default=None,
                      help="specreason's verifier: the large model's 0-9 judge prompt, or token agreement (the large "
-                          "model re-reads the step; a digit it disagrees with by more than --margin fails it) [llm]."),
+                          "model re-reads the step; a digit it disagrees with by more than --margin fails it) "
+                          f"[{default('policy.judge')}]."),
         click.option("--margin", type=float, default=None, help="Agreement judge: nats a checked drafted token may "
-                     "trail the large model's own choice [1.0]."),
+                     f"trail the large model's own choice [{default('policy.margin')}]."),
         click.option("--word-margin", type=float, default=None,
                      help="Agreement judge: also check tokens without digits, failing one that trails the large "
                           "model's choice by more than this many nats [unchecked]."),
-        click.option("--repair", type=click.Choice(["step", "token"]), default=None,
+        click.option("--repair", type=click.Choice(REPAIRS), default=None,
                      help="Agreement judge, on a failed check: the large model finishes the step, or puts its own "
-                          "token in place of the failing one and the small model drafts on [step]."),
-        click.option("--max-steps", type=int, default=None, help="Steps per reasoning chain [16]."),
-        click.option("--max-tokens", type=int, default=None, help="Generated tokens per reasoning chain [1024]."),
-        click.option("--step-tokens", type=int, default=None, help="Token cap per step [128]."),
+                          f"token in place of the failing one and the small model drafts on [{default('policy.repair')}]."),
+        click.option("--max-steps", type=int, default=None,
+                     help=f"Steps per reasoning chain [{default('steps.max_steps')}]."),
+        click.option("--max-tokens", type=int, default=None,
+                     help=f"Generated tokens per reasoning chain [{default('steps.max_tokens')}]."),
+        click.option("--step-tokens", type=int, default=None,
+                     help=f"Token cap per step [{default('segment.max_step_tokens')}]."),
         click.option("--no-token-spec", is_flag=True, help="Turn token-level speculation off (the plain baseline)."),
         click.option("--record", type=click.Path(dir_okay=False, path_type=Path), default=None,
                      help="Append every generation's token ids to this JSONL (replay it with `thinkahead simulate`)."),
@@ -80,8 +91,12 @@ def orchestrator_options(fn):
 
 
 def build_settings(config_path, small, large, dtype, threshold, max_steps, max_tokens, step_tokens, no_token_spec,
-                   record=None, judge=None, margin=None, word_margin=None, repair=None, **extra: Any) -> dict[str, Any]:
-    """An `OrchestratorConfig` as a dict: the file's values, overridden by the options given."""
+                   record=None, judge=None, margin=None, word_margin=None, repair=None,
+                   fallback: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
+    """An `OrchestratorConfig` as a dict: the file's values, overridden by the options given.
+
+    `fallback`: top-level settings a command uses where neither the file nor an option sets them
+    (serve: `config.SERVE_CONCURRENCY`)."""
     from pydantic import ValidationError
 
     from thinkahead.config import OrchestratorConfig, explain
@@ -91,6 +106,9 @@ def build_settings(config_path, small, large, dtype, threshold, max_steps, max_t
     except ValueError as exc:
         raise InputError(str(exc)) from exc
     data = config.model_dump()
+    for key, value in (fallback or {}).items():
+        if key not in config.model_fields_set:
+            data[key] = value
     for tier, spec in (("small", small), ("large", large)):
         if spec is not None:
             data[tier]["spec"] = spec
@@ -170,7 +188,7 @@ def load_models(orch) -> None:
 
 def grader(checker_name: str):
     """Fills `meta["correct"]` of a run that has a reference answer."""
-    from thinkahead.verifiers.checkers import get_checker
+    from thinkahead.verifiers.grading import get_checker
 
     if checker_name == "none":
         return None

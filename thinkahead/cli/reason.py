@@ -8,56 +8,61 @@ from pathlib import Path
 
 import click
 
+from thinkahead.config import default
 from thinkahead.models.weights import DTYPES
-from thinkahead.step_spec.loop import StepBudget
-from thinkahead.step_spec.policies import ALL_POLICY_NAMES, DEFAULT_POLICY
+from thinkahead.step_spec.policies import ALL_POLICY_NAMES, JUDGES, REPAIRS, SCORE_MODES, policy_entry
 
 POLICIES = ALL_POLICY_NAMES  # every registered policy, `collect` included
+
+def _shown(option: str, policy: str = "specreason") -> str:
+    """A policy option's default as `--help` shows it, in brackets (the registry's options model holds it)."""
+    value = policy_entry(policy).options.model_fields[option].default
+    return f"[{value:g}]" if isinstance(value, float) else f"[{value}]"
 
 
 @click.command()
 @click.argument("problem")
-@click.option("--small", "small_spec", default="qwen2.5-coder-0.5b", show_default=True, help="Small (drafting) model spec.")
-@click.option("--large", "large_spec", default="qwen2.5-coder-1.5b", show_default=True, help="Large (judging) model spec.")
-@click.option("--policy", type=click.Choice(POLICIES), default=DEFAULT_POLICY, show_default=True)
-@click.option("--threshold", type=float, default=7.0, show_default=True, help="specreason: accept drafts scoring at least this.")
-@click.option("--score-mode", type=click.Choice(["greedy", "expected"]), default="greedy", show_default=True)
-@click.option("--judge", type=click.Choice(["llm", "agreement"]), default="llm", show_default=True,
-              help="specreason's verifier: the 0-9 judge prompt, or token agreement (a disagreeing digit fails a step).")
-@click.option("--margin", type=float, default=1.0, show_default=True, help="agreement: nats a checked token may trail the large model's choice.")
+@click.option("--small", "small_spec", default=default("small.spec"), show_default=True, help="Small (drafting) model spec.")
+@click.option("--large", "large_spec", default=default("large.spec"), show_default=True, help="Large (judging) model spec.")
+@click.option("--policy", type=click.Choice(POLICIES), default=default("policy.name"), show_default=True)
+@click.option("--threshold", type=float, default=None,
+              help=f"specreason, collect: accept drafts scoring at least this {_shown('threshold')}.")
+@click.option("--score-mode", type=click.Choice(SCORE_MODES), default=None,
+              help=f"How the judge's 0-9 score is read {_shown('score_mode')}, collect {_shown('score_mode', 'collect')}.")
+@click.option("--judge", type=click.Choice(JUDGES), default=None,
+              help="specreason's verifier: the 0-9 judge prompt, or token agreement (a disagreeing digit fails a step) "
+                   f"{_shown('judge')}.")
+@click.option("--margin", type=float, default=None,
+              help=f"agreement: nats a checked token may trail the large model's choice {_shown('margin')}.")
 @click.option("--word-margin", type=float, default=None,
               help="agreement: also check tokens without digits, at this many nats [unchecked].")
-@click.option("--repair", type=click.Choice(["step", "token"]), default="step", show_default=True,
-              help="agreement, on a failed check: the large model finishes the step, or fixes one token and the small model goes on.")
-@click.option("--first-large", type=int, default=0, show_default=True, help="specreason: the first N steps go to the large model.")
-@click.option("--router", default="heuristic", show_default=True, help="arbitrage: 'heuristic' or a trained router JSON.")
-@click.option("--pairs", type=click.Path(dir_okay=False, path_type=Path), default=None, help="collect: JSONL file to append step pairs to.")
-@click.option("--max-steps", type=int, default=StepBudget.model_fields["max_steps"].default, show_default=True)
-@click.option("--max-tokens", type=int, default=StepBudget.model_fields["max_tokens"].default, show_default=True)
-@click.option("--step-tokens", type=int, default=128, show_default=True, help="Token cap per step.")
+@click.option("--repair", type=click.Choice(REPAIRS), default=None,
+              help="agreement, on a failed check: the large model finishes the step, or fixes one token and the small "
+                   f"model goes on {_shown('repair')}.")
+@click.option("--first-large", "first_large_steps", type=int, default=None,
+              help=f"specreason: the first N steps go to the large model {_shown('first_large_steps')}.")
+@click.option("--router", default=None,
+              help=f"arbitrage: 'heuristic' or a trained router JSON {_shown('router', 'arbitrage')}.")
+@click.option("--pairs", "pairs_path", type=click.Path(dir_okay=False, path_type=Path), default=None, help="collect: JSONL file to append step pairs to.")
+@click.option("--max-steps", type=int, default=default("steps.max_steps"), show_default=True)
+@click.option("--max-tokens", type=int, default=default("steps.max_tokens"), show_default=True)
+@click.option("--step-tokens", type=int, default=default("segment.max_step_tokens"), show_default=True,
+              help="Token cap per step.")
 @click.option("--no-token-spec", is_flag=True, help="Turn off token-level speculation (the plain baseline).")
-@click.option("--dtype", type=click.Choice(list(DTYPES)), default="int8", show_default=True)
+@click.option("--dtype", type=click.Choice(list(DTYPES)), default=default("large.dtype"), show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print the whole result as JSON.")
-def reason(problem, small_spec, large_spec, policy, threshold, score_mode, judge, margin, word_margin, repair, first_large, router, pairs,
-           max_steps, max_tokens, step_tokens, no_token_spec, dtype, as_json) -> None:
+def reason(problem, small_spec, large_spec, policy, max_steps, max_tokens, step_tokens, no_token_spec, dtype, as_json,
+           **policy_options) -> None:  # the rest are the policies' options (`policy_entry(name).options`)
     """Reason about PROBLEM step by step: the small model drafts, the large model judges or rewrites."""
     from thinkahead.models import LocalModel
-    from thinkahead.step_spec.loop import StepLoop
-    from thinkahead.step_spec.policies import CollectPairs, make_policy
+    from thinkahead.step_spec.loop import StepBudget, StepLoop
     from thinkahead.step_spec.segment import SegmentConfig
 
-    if policy == "collect" and pairs is None:
+    if policy == "collect" and policy_options["pairs_path"] is None:
         raise click.UsageError("--policy collect needs --pairs FILE.jsonl")
+    given = {key: value for key, value in policy_options.items() if value is not None}
     try:
-        if policy == "specreason":
-            step_policy = make_policy(policy, threshold=threshold, score_mode=score_mode, judge=judge, margin=margin,
-                                      word_margin=word_margin, repair=repair, first_large_steps=first_large)
-        elif policy == "arbitrage":
-            step_policy = make_policy(policy, router=router)
-        elif policy == "collect":
-            step_policy = CollectPairs(pairs)
-        else:
-            step_policy = make_policy(policy)
+        step_policy = policy_entry(policy).build(given)  # the policy reads the options it has; its defaults the rest
         budget = StepBudget(max_steps=max_steps, max_tokens=max_tokens)
         segment = SegmentConfig(max_step_tokens=step_tokens)
     except ValueError as exc:

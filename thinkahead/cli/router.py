@@ -20,7 +20,7 @@ def router() -> None:
 @click.option("--threshold", type=float, default=0.5, show_default=True, help="Route to large at this probability.")
 def router_train(pairs: Path, out: Path, margin: float, threshold: float) -> None:
     """Fit a logistic router on PAIRS (from `thinkahead reason --policy collect`)."""
-    from thinkahead.verifiers.router import train_router
+    from thinkahead.verifiers.router_pairs import train_router
 
     try:
         report = train_router(pairs, out, margin=margin, threshold=threshold)

@@ -19,17 +19,21 @@ from thinkahead.cli.options import (
     orchestrator_options,
 )
 from thinkahead.cli.progress import Progress, summary_table
+from thinkahead.config import default
+from thinkahead.workflows import WORKFLOWS
+from thinkahead.verifiers.grading import CHECKER_NAMES
 
 
 @click.command()
 @click.argument("input_path", metavar="INPUT.jsonl", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("-w", "--workflow", default=None, help="Workflow: cot, react, refine, vote, pipeline, codefix (needs a suite's tests) [cot].")
-@click.option("--policy", type=click.Choice(POLICIES), default=None, help="Step policy [specreason].")
+@click.option("-w", "--workflow", default=None,
+              help=f"Workflow: {', '.join(WORKFLOWS)} (codefix needs a suite's tests) [{default('workflow')}].")
+@click.option("--policy", type=click.Choice(POLICIES), default=None, help=f"Step policy [{default('policy.name')}].")
 @click.option("-o", "--out", type=click.Path(dir_okay=False, path_type=Path), required=True,
               help="Result store (JSONL); runs already in it are skipped (resume).")
 @click.option("--limit", type=int, default=None, help="Only the first N tasks.")
-@click.option("--concurrency", type=int, default=None, help="Runs in flight at once [1].")
-@click.option("--checker", type=click.Choice(["math", "exact", "none"]), default="math", show_default=True,
+@click.option("--concurrency", type=int, default=None, help=f"Runs in flight at once [{default('concurrency')}].")
+@click.option("--checker", type=click.Choice([*CHECKER_NAMES, "none"]), default="math", show_default=True,
               help="How answers are graded against a reference answer.")
 @click.option("--on-bad-line", type=click.Choice(["skip", "fail"]), default="skip", show_default=True,
               help="Bad input lines: report and skip them, or stop before running anything.")
@@ -59,11 +63,7 @@ def run(input_path, workflow, policy, out, limit, concurrency, checker, on_bad_l
     settings = build_settings(**options, workflow=workflow, policy=policy, concurrency=concurrency)
     orch = Orchestrator(config=settings)
     store = open_store(out, orch.config.store_identity(), (input_path,))
-    try:
-        done = store.done_ids()
-    except ValueError as exc:
-        store.close()
-        raise InputError(str(exc)) from exc
+    done = store.done_ids()  # from the one read `open_store` made; the runtime skips the same ids
     todo = [t for t in tasks.tasks if t.id not in done]
     if done:
         click.echo(f"resuming: {len(tasks.tasks) - len(todo)} of {len(tasks.tasks)} tasks already in {out}", err=True)

@@ -7,15 +7,19 @@ import time
 import click
 
 from thinkahead.cli.options import POLICIES, build_settings, orchestrator_options, quiet_loading
+from thinkahead.config import SERVE_CONCURRENCY, default
+from thinkahead.serving.limits import ServerSettings
+from thinkahead.step_spec.state import TIERS
 
 
 @click.command()
 @click.option("--host", default="127.0.0.1", show_default=True, help="Interface to listen on.")
 @click.option("--port", type=int, default=8000, show_default=True, help="Port to listen on.")
 @click.option("--policy", type=click.Choice(POLICIES), default=None,
-              help="Step policy of model names without one, e.g. thinkahead/cot [specreason].")
-@click.option("--concurrency", type=click.IntRange(min=1), default=4, show_default=True,
-              help="Runs in flight at once; more requests wait in line (overrides the config file).")
+              help=f"Step policy of model names without one, e.g. thinkahead/cot [{default('policy.name')}].")
+@click.option("--concurrency", type=click.IntRange(min=1), default=None,
+              help="Runs in flight at once; more requests wait in line (overrides the config file) "
+                   f"[{SERVE_CONCURRENCY}].")
 @click.option("--api-key", default=None, envvar="THINKAHEAD_API_KEY", show_envvar=True,
               help="Bearer key every request must carry (401 without it); /health stays open.")
 @click.option("--allow-origin", "allow_origins", multiple=True,
@@ -24,7 +28,8 @@ from thinkahead.cli.options import POLICIES, build_settings, orchestrator_option
               help="A Host header name accepted (against DNS rebinding); default: the loopback names when "
                    "listening on loopback, any otherwise.")
 @click.option("--max-queue", type=click.IntRange(min=0), default=None,
-              help="Requests that may wait for a slot; more are answered 429 with Retry-After [64].")
+              help="Requests that may wait for a slot; more are answered 429 with Retry-After "
+                   f"[{ServerSettings.model_fields['max_queue'].default}].")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info",
               show_default=True, help="uvicorn's log level.")
 @orchestrator_options
@@ -40,15 +45,16 @@ def serve(host, port, policy, concurrency, api_key, allow_origins, allowed_hosts
     import uvicorn
 
     from thinkahead.serving.app import create_app
-    from thinkahead.serving.limits import LOOPBACK_HOSTS, ServerSettings
+    from thinkahead.serving.limits import LOOPBACK_HOSTS
 
-    settings = build_settings(**options, policy=policy, concurrency=concurrency)
+    settings = build_settings(**options, policy=policy, concurrency=concurrency,
+                              fallback={"concurrency": SERVE_CONCURRENCY})
     hosts = list(allowed_hosts) or (list(LOOPBACK_HOSTS) if host in LOOPBACK_HOSTS else None)
     server = {"api_key": api_key, "allow_origins": list(allow_origins), "allowed_hosts": hosts}
     if max_queue is not None:
         server["max_queue"] = max_queue
     server_settings = ServerSettings.with_env(**server)
-    if any(not settings[tier]["spec"].startswith("openai:") for tier in ("small", "large")):
+    if any(not settings[tier]["spec"].startswith("openai:") for tier in TIERS):
         quiet_loading()  # local weights: no per-tensor progress bars
     click.echo(f"loading {settings['small']['spec']} and {settings['large']['spec']} "
                f"({settings['large']['dtype']}) ...", err=True)

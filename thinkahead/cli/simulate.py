@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from thinkahead.config import default
 from thinkahead.token_spec.names import MODEL_FREE_KINDS
 
 
@@ -14,7 +15,8 @@ from thinkahead.token_spec.names import MODEL_FREE_KINDS
 @click.option("--drafters", default="suffix,prompt-lookup,prompt-lookup-recent,combined", show_default=True,
               help=f"Comma-separated model-free drafters: {', '.join(MODEL_FREE_KINDS)}.")
 @click.option("--model", default=None, help="Replay only this model's generations (needed when the file has several).")
-@click.option("--max-draft", type=int, default=16, show_default=True, help="Draft tokens per verify step at most.")
+@click.option("--max-draft", type=int, default=default("small.max_draft"), show_default=True,
+              help="Draft tokens per verify step at most.")
 def simulate(recordings: tuple[Path, ...], drafters: str, model: str | None, max_draft: int) -> None:
     """Replay RECORDINGS (from `--record`) through each drafter: tokens per verify step, draft precision.
 

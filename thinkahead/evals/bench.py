@@ -19,7 +19,7 @@ from typing import Any
 
 from thinkahead.evals.tasks import Task
 from thinkahead.orchestrator.store import ResultStore
-from thinkahead.evals.report import Column, markdown_report, plot_pareto
+from thinkahead.evals.report import Column, finish_plot, markdown_report, plot_pareto
 from thinkahead.orchestrator.summary import BatchSummary, summarize
 from thinkahead.orchestrator.trace import RunResult
 
@@ -169,12 +169,6 @@ def plot_warmth(out_dir: Path, configs: list[BenchConfig], ids: set[str], path: 
     if not drawn:
         plt.close(fig)
         return None
-    ax.set_xlabel("runs finished before (cache warmth)")
-    ax.set_ylabel("tokens per verify step")
-    ax.set_title("token-level acceptance vs cache warmth")
-    ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return finish_plot(fig, ax, path, xlabel="runs finished before (cache warmth)", ylabel="tokens per verify step",
+                       title="token-level acceptance vs cache warmth")

@@ -36,7 +36,7 @@ import inspect
 import json
 import re
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from thinkahead.evals.tasks import Task
@@ -285,18 +285,22 @@ def _describe(doc: dict[str, Any]) -> str:
     return f"{description} Arguments: {', '.join(args) if args else 'none'}."
 
 
-def ground_truth_transcript(reference: str) -> str:
-    """The ground-truth calls of a task written as the react loop writes a transcript (for tests and examples)."""
-    ref = _parse_reference(reference)
-    env = BfclEnvironment(reference)
-    lines = []
+def _ground_truth_calls(ref: dict[str, Any]) -> Iterator[tuple[str, str]]:
+    """(function name, argument text) of each ground-truth call of a parsed reference, turn after turn."""
     for turn in ref["ground_truth"]:
         for call in turn:
             m = _CALL_LINE.match(call)
             if not m:
                 raise ValueError(f"unparsable ground-truth call {call!r}")
-            lines += [f"Thought: call {m.group(1)}", f"Action: {m.group(1)}[{m.group(2)}]",
-                      f"Observation: {env.call(m.group(1), m.group(2))}"]
+            yield m.group(1), m.group(2)
+
+
+def ground_truth_transcript(reference: str) -> str:
+    """The ground-truth calls of a task written as the react loop writes a transcript (for tests and examples)."""
+    env = BfclEnvironment(reference)
+    lines = []
+    for name, args in _ground_truth_calls(_parse_reference(reference)):
+        lines += [f"Thought: call {name}", f"Action: {name}[{args}]", f"Observation: {env.call(name, args)}"]
     return "\n".join([*lines, "Thought: all requests are done", "Final Answer: done"]) + "\n"
 
 
@@ -310,13 +314,7 @@ class BfclChecker:
         ref = _parse_reference(reference)
         model, truth = BfclEnvironment(reference), BfclEnvironment(reference)
         model_results = [model.call(name, args) for name, args in parse_calls(answer)]
-        truth_results = []
-        for turn in ref["ground_truth"]:
-            for call in turn:
-                m = _CALL_LINE.match(call)
-                if not m:
-                    raise ValueError(f"unparsable ground-truth call {call!r}")
-                truth_results.append(truth.call(m.group(1), m.group(2)))
+        truth_results = [truth.call(name, args) for name, args in _ground_truth_calls(ref)]
         got, want = model.state(), truth.state()
         for class_name, attributes in want.items():
             for key, value in attributes.items():

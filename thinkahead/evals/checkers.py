@@ -1,7 +1,7 @@
-"""Answer checkers for the evaluation suites, by name, on top of `thinkahead.verifiers.checkers`.
+"""Answer checkers for the evaluation suites, by name, on top of `thinkahead.verifiers.grading`.
 
-`get_eval_checker(name)` knows the verifiers' checkers ("math", "exact", "code") and adds the ones
-the benchmark data needs:
+`get_eval_checker(name)` knows the grading registry's checkers (`thinkahead.verifiers.grading.CHECKERS`:
+"math", "exact", "code") and adds the ones the benchmark data needs:
 - "humaneval": `HumanEvalChecker`, a HumanEval completion or whole function run against the
   task's tests (the reference carries prompt, tests and entry point, so one string grades it);
 - "sql": `SqlChecker`, normalised exact match of a query (Spider ships no databases here, so
@@ -19,15 +19,18 @@ import re
 from importlib import import_module
 from typing import Any
 
-from thinkahead.verifiers.checkers import AnswerChecker, CodeChecker, CodeResult, extract_code, get_checker, humaneval_tests
+from thinkahead.verifiers.grading import (
+    CHECKERS as GRADING_CHECKERS,
+    AnswerChecker,
+    CodeChecker,
+    CodeResult,
+    extract_code,
+    get_checker,
+    humaneval_tests,
+)
+from thinkahead.verifiers.grading.base import require_text as _text
 
 __all__ = ["CHECKERS", "HumanEvalChecker", "SqlChecker", "extract_sql", "get_eval_checker", "sql_tokens"]
-
-
-def _text(value: object, what: str) -> str:
-    if not isinstance(value, str):
-        raise TypeError(f"{what} must be a str, got {type(value).__name__}")
-    return value
 
 
 class HumanEvalChecker:
@@ -122,15 +125,14 @@ class SqlChecker:
 
 
 CHECKERS: dict[str, str] = {
-    "math": "thinkahead.verifiers.checkers",
-    "exact": "thinkahead.verifiers.checkers",
-    "code": "thinkahead.verifiers.checkers",
+    **{name: "thinkahead.verifiers.grading" for name in GRADING_CHECKERS},
     "humaneval": "thinkahead.evals.checkers:HumanEvalChecker",
     "sql": "thinkahead.evals.checkers:SqlChecker",
     "countdown": "thinkahead.evals.puzzles:PuzzleChecker",
     "bfcl": "thinkahead.evals.bfcl:BfclChecker",
 }
-"""Every checker name -> where it lives (imported when first asked for)."""
+"""Every checker name -> where it lives: the grading registry's names (built by its `get_checker`), then
+the evaluation checkers as "module:Class" (imported when first asked for)."""
 
 
 def get_eval_checker(name: str, **options: Any) -> AnswerChecker:

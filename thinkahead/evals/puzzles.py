@@ -27,7 +27,7 @@ from functools import lru_cache
 from itertools import combinations_with_replacement
 
 from thinkahead.evals.tasks import Task
-from thinkahead.verifiers.checkers import extract_final_answer
+from thinkahead.verifiers.grading.final_answer import extract_final_answer
 
 __all__ = ["Puzzle", "PuzzleChecker", "countdown_puzzle", "countdown_tasks", "evaluate", "game24_puzzle",
            "game24_tasks", "puzzle_numbers", "solve"]

@@ -63,11 +63,20 @@ def plot_pareto(rows: list[tuple[Column, BatchSummary]], path: Path) -> Path | N
                     capsize=3, label=config.label)
     if ax.get_legend_handles_labels()[0]:  # a legend beside the plot: labels of nearby points never overlap
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
-    ax.set_xlabel("seconds per task")
-    ax.set_ylabel("accuracy")
-    ax.set_title("accuracy vs time")
-    ax.grid(alpha=0.3)
+    return finish_plot(fig, ax, path, xlabel="seconds per task", ylabel="accuracy", title="accuracy vs time")
+
+
+def finish_plot(fig: Any, ax: Any, path: Path, *, xlabel: str, ylabel: str, title: str, grid: bool = True,
+                dpi: int = 120) -> Path:
+    """Label `ax` (and grid it), lay `fig` out, write it to `path` and close it: how every plot here ends."""
+    import matplotlib.pyplot as plt
+
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    if grid:
+        ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=dpi)
     plt.close(fig)
     return path

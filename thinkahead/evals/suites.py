@@ -19,7 +19,7 @@ from types import MappingProxyType
 from typing import Any
 
 from thinkahead.evals.tasks import Task
-from thinkahead.verifiers.checkers import AnswerChecker
+from thinkahead.verifiers.grading import AnswerChecker
 
 __all__ = ["SUITES", "Suite", "SuiteSpec", "load_suite"]
 

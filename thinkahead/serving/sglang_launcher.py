@@ -52,6 +52,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from thinkahead.errors import ThinkaheadError
+from thinkahead.step_spec.state import TIERS
 
 ALGORITHMS = ("NONE", "NGRAM", "EAGLE", "EAGLE3", "STANDALONE", "SUFFIX")
 NEEDS_DRAFT_MODEL = ("EAGLE", "EAGLE3", "STANDALONE")
@@ -67,7 +68,6 @@ SPECULATIVE_FLAGS: dict[str, tuple[str, ...]] = {
 }
 SHARED_GPU_MEM_FRACTION = {"small": 0.25, "large": 0.6}
 DEFAULT_PORTS = {"small": 30000, "large": 30001}
-ROLES = ("small", "large")
 
 
 class LaunchError(ThinkaheadError, RuntimeError):
@@ -111,8 +111,8 @@ class ServerConfig:
     env: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.role not in ROLES:
-            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.role not in TIERS:
+            raise ValueError(f"role must be one of {TIERS}, got {self.role!r}")
         if not isinstance(self.model_path, str) or not self.model_path.strip():
             raise ValueError(f"{self.role}: model_path must be a non-empty string")
         if not isinstance(self.port, int) or not 1 <= self.port <= 65535:
@@ -400,7 +400,7 @@ class Launcher:
             c = s.config
             lines.append(f"{c.role:<5}  {c.url}  {c.model_path}  speculative={c.algorithm}  log={s.log_path}")
         specs = {s.config.role: s.config.spec for s in self.servers}
-        if set(specs) == set(ROLES):
+        if set(specs) == set(TIERS):
             lines.append(f"use: --small {specs['small']} --large {specs['large']}")
         return "\n".join(lines)
 

@@ -22,7 +22,7 @@ from thinkahead.orchestrator.trace import RunResult, jsonable
 from thinkahead.serving.asgi import RequestError, unsupported
 from thinkahead.serving.schemas import ChatRequest, Message, ToolDef
 from thinkahead.serving.tools import OutputError, check_schema
-from thinkahead.verifiers.checkers import normalize_math
+from thinkahead.verifiers.grading.latex import normalize_math
 
 PREFIX = "thinkahead/"
 CHAIN_BUDGET_WORKFLOWS = ("cot", "vote", "pipeline")  # their `max_tokens` caps a reasoning chain

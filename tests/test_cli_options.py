@@ -1,0 +1,119 @@
+"""The CLI reads its names and defaults from the registries and the config models: `reason` builds
+its policy through `POLICIES`, `serve` falls back to `SERVE_CONCURRENCY` only where the config file
+is silent, and every default a command shows is the config's."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+import uvicorn
+from click.testing import CliRunner
+
+from thinkahead.cli import main
+from thinkahead.config import SERVE_CONCURRENCY, default
+from thinkahead.models import ScriptedModel
+
+REMOTE = "openai:qwen@http://127.0.0.1:9/v1"  # built without connecting: no weights load
+
+
+@pytest.fixture
+def reason_loop(monkeypatch):
+    """`thinkahead reason` over scripted models: the loop it builds is kept for the test to read."""
+    import thinkahead.models
+    import thinkahead.step_spec.loop as loop_module
+
+    built = {}
+    real_loop = loop_module.StepLoop
+
+    def loop(small, large, policy, *args, **kwargs):
+        built["loop"] = real_loop(small, large, policy, *args, **kwargs)
+        return built["loop"]
+
+    def model(spec, dtype):
+        built.setdefault("dtypes", []).append(dtype)
+        return ScriptedModel(outputs=["So \\boxed{391}."], logprobs=[{"9": -0.05}], name=spec)
+
+    monkeypatch.setattr(loop_module, "StepLoop", loop)
+    monkeypatch.setattr(thinkahead.models, "LocalModel", model)
+    return built
+
+
+def test_reason_builds_each_policy_from_the_registry_with_its_own_defaults(reason_loop, tmp_path):
+    pairs = tmp_path / "pairs.jsonl"
+    result = CliRunner().invoke(main, ["reason", "What is 17 * 23?", "--policy", "collect", "--pairs", str(pairs),
+                                       "--threshold", "5", "--judge", "agreement", "--json"])
+    assert result.exit_code == 0, result.output
+    policy = reason_loop["loop"].policy
+    # collect reads the options it has (the threshold given), keeps its own default score mode
+    # (specreason's differs) and ignores specreason's (--judge)
+    assert (policy.name, policy.pairs_path, policy.threshold, policy.score_mode) == ("collect", pairs, 5.0, "expected")
+    assert json.loads(result.output)["steps"][0]["text"] == "So \\boxed{391}."
+    assert reason_loop["dtypes"] == [default("small.dtype"), default("large.dtype")]
+
+    result = CliRunner().invoke(main, ["reason", "q", "--judge", "agreement", "--repair", "token", "--first-large", "1"])
+    assert result.exit_code == 0, result.output
+    policy = reason_loop["loop"].policy
+    assert (policy.name, policy.judge, policy.repair, policy.first_large_steps, policy.threshold) == (
+        "specreason", "agreement", "token", 1, default("policy.threshold"))
+
+
+def test_reason_refuses_bad_policy_options_before_loading_models(reason_loop):
+    result = CliRunner().invoke(main, ["reason", "q", "--threshold", "12"])
+    assert result.exit_code == 2 and "policy 'specreason': threshold" in result.output
+    result = CliRunner().invoke(main, ["reason", "q", "--policy", "collect"])
+    assert result.exit_code == 2 and "--policy collect needs --pairs FILE.jsonl" in result.output
+    result = CliRunner().invoke(main, ["reason", "q", "--score-mode", "mean"])
+    assert result.exit_code == 2 and "'greedy', 'expected'" in result.output  # the Literal's values
+    assert "dtypes" not in reason_loop
+
+
+@pytest.mark.parametrize(("given", "expected"), [
+    ([], SERVE_CONCURRENCY),  # serve's own default: a server answers many clients
+    (["--concurrency", "3"], 3),
+])
+def test_serve_concurrency_falls_back_only_where_the_config_file_is_silent(monkeypatch, tmp_path, given, expected):
+    started = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: started.update(app=app))
+    args = ["serve", "--small", REMOTE, "--large", REMOTE, *given]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert started["app"].concurrency == expected
+    asyncio.run(started["app"].aclose())
+    config = tmp_path / "serve.yaml"
+    config.write_text("concurrency: 2\n")
+    result = CliRunner().invoke(main, [*args, "--config", str(config)])
+    assert result.exit_code == 0, result.output
+    assert started["app"].concurrency == (3 if given else 2)  # the file's value, unless the option is given
+    asyncio.run(started["app"].aclose())
+
+
+@pytest.mark.parametrize(("command", "param", "setting"), [
+    ("generate", "model", "small.spec"),
+    ("generate", "dtype", "small.dtype"),
+    ("generate", "drafter", "small.drafter"),
+    ("generate", "max_draft", "small.max_draft"),
+    ("simulate", "max_draft", "small.max_draft"),
+    ("reason", "small_spec", "small.spec"),
+    ("reason", "large_spec", "large.spec"),
+    ("reason", "dtype", "large.dtype"),
+    ("reason", "policy", "policy.name"),
+    ("reason", "max_steps", "steps.max_steps"),
+    ("reason", "max_tokens", "steps.max_tokens"),
+    ("reason", "step_tokens", "segment.max_step_tokens"),
+])
+def test_command_defaults_are_the_config_defaults(command, param, setting):
+    option = next(p for p in main.commands[command].params if p.name == param)
+    assert option.default == default(setting)
+
+
+def test_the_shared_options_show_the_config_defaults():
+    helps = {p.name: p.help for p in main.commands["run"].params}
+    for param, setting in (("small", "small.spec"), ("dtype", "large.dtype"), ("judge", "policy.judge"),
+                           ("repair", "policy.repair"), ("max_steps", "steps.max_steps"),
+                           ("max_tokens", "steps.max_tokens"), ("step_tokens", "segment.max_step_tokens"),
+                           ("concurrency", "concurrency"), ("policy", "policy.name"), ("workflow", "workflow")):
+        assert helps[param].endswith(f"[{default(setting)}].") and helps[param].count("[") == 1, helps[param]
+    with pytest.raises(KeyError, match="no setting 'steps.max_stepz'"):
+        default("steps.max_stepz")
