@@ -11,69 +11,54 @@ predecessors are done, so independent nodes run in parallel. Node kinds:
 - `fork` / `join`: an explicit parallel split and its merge (`join` waits for all branches, or
   with `first=True` for the first one, and the losing branches are cancelled);
 - `loop`: a bounded cycle. Its `body` successor starts the body; edges from the body back to the
-  loop close the cycle; the `exit` successor runs when the condition fails or the bound is hit.
+  loop close the cycle; the `exit` successor runs when the condition fails or the bound is hit
+  (`add_cycle` wires a chain body and the exit in one call).
 
-`compile()` checks the whole graph and names the problem precisely: unknown nodes, nodes or END
+Each node's settings are a typed, frozen record of its kind (`thinkahead.orchestrator.nodes`:
+`ThinkSpec`, `GenerateSpec`, ...), checked when the node is added: a bad one is refused at once
+with the node and the field named (`node 'think': max_steps must be > 0, got 0`). `compile()`
+checks every node's spec again, then the whole graph and names the problem precisely: unknown nodes, nodes or END
 unreachable from START, cycles that do not pass through a loop, a read of a key nothing writes
 before it, two parallel nodes writing the same key. Nothing runs before the graph is valid.
 """
 
 from __future__ import annotations
 
-import string
+import itertools
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import networkx as nx
-
-from thinkahead.models.errors import ThinkaheadError
-from thinkahead.step_spec.state import TIERS
+from thinkahead.orchestrator.nodes import (
+    NODE_KINDS,
+    ForkSpec,
+    GenerateSpec,
+    GraphError,
+    JoinSpec,
+    LoopSpec,
+    Node,
+    NodeSpec,
+    ThinkSpec,
+    ToolSpec,
+    template_fields,
+)
 
 AnswerExtractor = Callable[[str], str | None]
 """Reads the final answer out of a reasoning text; None when it finds none."""
 
 START = "__start__"
 END = "__end__"
-NODE_KINDS = ("think", "generate", "tool", "fork", "join", "loop")
 
-
-class GraphError(ThinkaheadError, ValueError):
-    """The graph is not valid; the message names the node or edge at fault."""
-
-
-@dataclass(slots=True)
-class Node:
-    """One node of a step graph; `spec` holds the kind-specific settings."""
-
-    name: str
-    kind: str
-    output: str | None
-    inputs: tuple[str, ...] = ()
-    spec: dict[str, Any] = field(default_factory=dict)
+__all__ = [
+    "END", "NODE_KINDS", "START", "AnswerExtractor", "CompiledGraph", "GraphError", "Node", "StepGraph",
+    "first_join_branches", "template_fields",
+]
 
 
 def _check_name(name: str) -> None:
     if not isinstance(name, str) or not name or name in (START, END):
         raise GraphError(f"node name must be a non-empty string other than START/END, got {name!r}")
-
-
-def template_fields(template: str) -> tuple[str, ...]:
-    """The state keys a `str.format` template reads, e.g. "{question} {draft}" -> (question, draft)."""
-    try:
-        parsed = list(string.Formatter().parse(template))
-    except ValueError as exc:
-        raise GraphError(f"bad prompt template {template!r}: {exc}") from exc
-    keys = []
-    for _, name, _, _ in parsed:
-        if name is None:
-            continue
-        key = name.split(".")[0].split("[")[0]
-        if not key:
-            raise GraphError(f"prompt template {template!r} has a positional field; name every field")
-        if key not in keys:
-            keys.append(key)
-    return tuple(keys)
 
 
 class StepGraph:
@@ -99,11 +84,16 @@ class StepGraph:
 
     # ------------------------------------------------------------------ building
 
-    def _add(self, node: Node) -> StepGraph:
-        _check_name(node.name)
-        if node.name in self.nodes:
-            raise GraphError(f"node {node.name!r} is already in the graph")
-        self.nodes[node.name] = node
+    def _add(self, name: str, spec: NodeSpec, output: str | None, inputs: Iterable[str]) -> StepGraph:
+        """Add a node once its name, typed spec, inputs and output are valid (`GraphError` names the field)."""
+        _check_name(name)
+        if name in self.nodes:
+            raise GraphError(f"node {name!r} is already in the graph")
+        if isinstance(inputs, str):
+            raise GraphError(f"node {name!r}: inputs must be a list of state keys, got the string {inputs!r}")
+        node = Node(name, output, tuple(inputs), spec)
+        node.check()
+        self.nodes[name] = node
         return self
 
     def add_think(
@@ -124,12 +114,13 @@ class StepGraph:
         `problem` is a template over the state. The output is the final answer: what the graph's
         `answer_extractor` reads out of the reasoning (e.g. the boxed answer), else the text after
         the reasoning (the last step, or the forced answer); `<output>_reasoning` holds the whole
-        chain; the steps go to the trace.
+        chain; the steps go to the trace. `max_steps` / `max_tokens` (None: the runtime's step
+        budget) must be > 0.
         """
-        return self._add(Node(name, "think", output or name, template_fields(problem), {
-            "problem": problem, "policy": policy, "system": system, "max_steps": max_steps,
-            "max_tokens": max_tokens, "temperature": temperature, "seed": seed,
-        }))
+        spec = ThinkSpec(system=system, temperature=temperature, problem=problem, policy=policy, max_steps=max_steps,
+                         max_tokens=max_tokens, seed=seed)
+        spec.check(name)
+        return self._add(name, spec, output or name, spec.reads())
 
     def add_generate(
         self,
@@ -154,18 +145,10 @@ class StepGraph:
         turn's prompt an exact extension of the last one, so caches continue instead of rebuilding.
         Each generate node is its own agent session unless nodes name the same `session` (one
         conversation written by several nodes, e.g. a first answer and its later fixes)."""
-        if tier not in TIERS:
-            raise GraphError(f"node {name!r}: tier must be one of {TIERS}, got {tier!r}")
-        if isinstance(prompt, str):
-            reads = template_fields(prompt)
-        elif callable(prompt):
-            reads = tuple(inputs or ())
-        else:
-            raise GraphError(f"node {name!r}: prompt must be a template string or a callable, got {type(prompt).__name__}")
-        return self._add(Node(name, "generate", output or name, reads, {
-            "prompt": prompt, "tier": tier, "system": system, "max_tokens": max_tokens,
-            "stop": list(stop or []), "temperature": temperature, "strip": strip, "session": session or name,
-        }))
+        spec = GenerateSpec(system=system, temperature=temperature, prompt=prompt, tier=tier,  # type: ignore[arg-type]
+                            max_tokens=max_tokens, stop=_stops(stop), strip=strip, session=name if session is None else session)
+        spec.check(name)
+        return self._add(name, spec, output or name, spec.reads() if isinstance(prompt, str) else (inputs or ()))
 
     def add_tool(
         self, name: str, fn: Callable[[dict[str, Any]], Any], *, inputs: Iterable[str] = (), output: str | None = None
@@ -175,13 +158,11 @@ class StepGraph:
         A synchronous callable runs in a worker thread (off the event loop, on a copy of the state),
         so it must not need the running loop; an async one runs on the loop.
         """
-        if not callable(fn):
-            raise GraphError(f"node {name!r}: tool must be callable, got {type(fn).__name__}")
-        return self._add(Node(name, "tool", output or name, tuple(inputs), {"fn": fn}))
+        return self._add(name, ToolSpec(fn), output or name, inputs)
 
     def add_fork(self, name: str) -> StepGraph:
         """An explicit parallel split: all its successors start together."""
-        return self._add(Node(name, "fork", None))
+        return self._add(name, ForkSpec(), None, ())
 
     def add_join(
         self, name: str, *, first: bool = False, merge: Callable[[list[Any]], Any] | None = None,
@@ -192,20 +173,24 @@ class StepGraph:
         With `first=True` it runs as soon as one branch finishes, with that branch's output, and
         the other branches are cancelled.
         """
-        return self._add(Node(name, "join", output or name, (), {"first": first, "merge": merge}))
+        return self._add(name, JoinSpec(first, merge), output or name, ())
 
     def add_loop(
         self, name: str, *, max_iters: int, condition: Callable[[dict[str, Any]], bool] | None = None,
         inputs: Iterable[str] = (),
     ) -> StepGraph:
-        """A bounded cycle: runs its body while `condition(state)` holds, at most `max_iters` times."""
-        if not isinstance(max_iters, int) or max_iters < 1:
-            raise GraphError(f"loop {name!r}: max_iters must be a positive int, got {max_iters!r}")
-        if condition is not None and not callable(condition):
-            raise GraphError(f"loop {name!r}: condition must be callable")
-        return self._add(Node(name, "loop", f"{name}_iterations", tuple(inputs), {
-            "max_iters": max_iters, "condition": condition,
-        }))
+        """A bounded cycle: runs its body while `condition(state)` holds, at most `max_iters` (> 0) times."""
+        return self._add(name, LoopSpec(max_iters, condition), f"{name}_iterations", inputs)
+
+    def add_cycle(self, loop: str, body: str | Iterable[str], exit_to: str) -> StepGraph:
+        """The edges of a loop whose body is a chain: `loop -body-> body[0] -> ... -> body[-1] -> loop`,
+        then `loop -exit-> exit_to`."""
+        steps = [body] if isinstance(body, str) else list(body)
+        if not steps:
+            raise GraphError(f"loop {loop!r}: add_cycle needs at least one body node")
+        self.add_edge(loop, steps[0], "body")
+        self.add_sequence(*steps, loop)
+        return self.add_edge(loop, exit_to, "exit")
 
     def add_edge(self, source: str, target: str, label: str | None = None) -> StepGraph:
         """A dependency `source -> target`. Out of a loop, label one edge "body" and one "exit"."""
@@ -216,7 +201,7 @@ class StepGraph:
 
     def add_sequence(self, *names: str) -> StepGraph:
         """Edges along `names` in order: add_sequence(START, "a", "b", END)."""
-        for a, b in zip(names, names[1:]):
+        for a, b in itertools.pairwise(names):
             self.add_edge(a, b)
         return self
 
@@ -224,6 +209,10 @@ class StepGraph:
 
     def compile(self) -> CompiledGraph:
         """Validate the graph and return its runnable form; `GraphError` names what is wrong."""
+        for name, node in self.nodes.items():  # every node's typed spec, also of nodes put in `nodes` by hand
+            if not isinstance(node, Node) or node.name != name:
+                raise GraphError(f"node {name!r}: graph.nodes must map each name to its Node, got {node!r}")
+            node.check()
         g = nx.DiGraph()
         g.add_node(START)
         g.add_node(END)
@@ -237,7 +226,7 @@ class StepGraph:
                 raise GraphError(f"edge {source} -> {target}: nothing runs after END or before START")
             if g.has_edge(source, target):
                 raise GraphError(f"edge {source} -> {target} is defined twice")
-            if label is not None and self.nodes.get(source, Node(source, "", None)).kind != "loop":
+            if label is not None and not isinstance(getattr(self.nodes.get(source), "spec", None), LoopSpec):
                 raise GraphError(f"edge {source} -> {target}: only edges out of a loop node take a label")
             g.add_edge(source, target, label=label)
 
@@ -280,7 +269,7 @@ class StepGraph:
         bodies: dict[str, set[str]] = {}
         back: list[tuple[str, str]] = []
         for name, node in self.nodes.items():
-            if node.kind != "loop":
+            if not isinstance(node.spec, LoopSpec):
                 continue
             out = {t: g.edges[name, t]["label"] for t in g.successors(name)}
             starts = [t for t, lab in out.items() if lab == "body"]
@@ -317,12 +306,12 @@ class StepGraph:
 
     def _check_joins(self, dag: nx.DiGraph) -> None:
         for name, node in self.nodes.items():
-            if node.kind != "join":
+            if not isinstance(node.spec, JoinSpec):
                 continue
             preds = list(dag.predecessors(name))
             if len(preds) < 2:
                 raise GraphError(f"join {name!r} needs at least two incoming branches, has {len(preds)}")
-            if node.spec["first"]:
+            if node.spec.first:
                 branch = first_join_branches(dag, name)
                 for n in branch:
                     for s in dag.successors(n):
@@ -338,11 +327,11 @@ class StepGraph:
             written = set(self.inputs)
             for a in before:
                 if a in self.nodes:
-                    written.update(_writes(self.nodes[a]))
+                    written.update(self.nodes[a].writes())
             if name in owner:  # inside a loop: values from earlier iterations count too
                 loop = owner[name]
                 for n in [loop, *self._body_of(loop, owner)]:
-                    written.update(_writes(self.nodes[n]))
+                    written.update(self.nodes[n].writes())
             for key in node.inputs:
                 if key not in written:
                     raise GraphError(
@@ -381,12 +370,12 @@ class StepGraph:
         lines = ["flowchart TD", f'    {_mid(START)}(["start"])', f'    {_mid(END)}(["end"])']
         for name, node in self.nodes.items():
             left, right = shapes[node.kind]
-            detail = node.kind
-            if node.kind == "generate":
-                detail += f" ({node.spec['tier']})"
-            elif node.kind == "loop":
-                detail += f" (max {node.spec['max_iters']})"
-            elif node.kind == "join" and node.spec["first"]:
+            spec, detail = node.spec, node.kind
+            if isinstance(spec, GenerateSpec):
+                detail += f" ({spec.tier})"
+            elif isinstance(spec, LoopSpec):
+                detail += f" (max {spec.max_iters})"
+            elif isinstance(spec, JoinSpec) and spec.first:
                 detail += " (first)"
             lines.append(f"    {_mid(name)}{left}{name}<br/>{detail}{right}")
         for source, target, label in self.edges:
@@ -395,11 +384,13 @@ class StepGraph:
         return "\n".join(lines) + "\n"
 
 
-def _writes(node: Node) -> tuple[str, ...]:
-    """The state keys a node writes."""
-    if not node.output:
+def _stops(stop: Any) -> Any:
+    """`stop` as a tuple of strings (one string is one stop); anything else is left for the check to name."""
+    if stop is None:
         return ()
-    return (node.output, node.output + "_reasoning") if node.kind == "think" else (node.output,)
+    if isinstance(stop, str):
+        return (stop,)
+    return tuple(stop) if isinstance(stop, (list, tuple)) else stop
 
 
 def _mid(name: str) -> str:

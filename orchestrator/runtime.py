@@ -32,9 +32,16 @@ from thinkahead.orchestrator.budget import (
 )
 from thinkahead.orchestrator.graph import (
     CompiledGraph,
-    Node,
     StepGraph,
     first_join_branches,
+)
+from thinkahead.orchestrator.nodes import (
+    GenerateSpec,
+    JoinSpec,
+    LoopSpec,
+    Node,
+    ThinkSpec,
+    ToolSpec,
 )
 from thinkahead.orchestrator.store import ResultStore
 from thinkahead.orchestrator.trace import (
@@ -231,7 +238,7 @@ class Runtime:
         deps = {n: [p for p in g.dag.predecessors(n) if p in region] for n in region}
         pending, done = set(region), set()
         running: dict[asyncio.Task, str] = {}
-        first_joins = {n for n in region if g.node(n).kind == "join" and g.node(n).spec["first"]}
+        first_joins = {n for n in region if isinstance(spec := g.node(n).spec, JoinSpec) and spec.first}
         try:
             while pending or running:
                 for name in sorted(pending):
@@ -295,77 +302,78 @@ class Runtime:
                         output=_preview(output), **(extra or {}))
 
     async def _execute(self, run: _Run, node: Node) -> dict[str, Any] | None:
-        kind = node.kind
-        if kind == "generate":
-            return await self._generate(run, node)
-        if kind == "think":
-            return await self._think(run, node)
-        if kind == "tool":
-            fn = node.spec["fn"]
-            view = dict(run.state)
-            if inspect.iscoroutinefunction(fn):
-                value = fn(view)
-            else:  # a synchronous tool runs in a thread: it never stalls the other runs on this loop
-                value = await call_in_thread(fn, view, name=f"tool node {node.name!r}")
-            if inspect.isawaitable(value):
-                value = await value
-            run.state[node.output] = value
-            return None
-        if kind == "join":
-            preds = [p for p in run.graph.dag.predecessors(node.name) if run.graph.node(p).output]
-            if node.spec["first"]:
-                winner = run.winners[node.name]
-                value = run.state.get(run.graph.node(winner).output)
-                merge = node.spec["merge"]
-                run.state[node.output] = merge([value]) if merge else value
-                return {"winner": winner}
-            values = [run.state.get(run.graph.node(p).output) for p in preds]
-            merge = node.spec["merge"]
-            run.state[node.output] = merge(values) if merge else values
-            return None
-        if kind == "loop":
-            return await self._loop(run, node)
+        spec = node.spec
+        if isinstance(spec, GenerateSpec):
+            return await self._generate(run, node, spec)
+        if isinstance(spec, ThinkSpec):
+            return await self._think(run, node, spec)
+        if isinstance(spec, ToolSpec):
+            return await self._tool(run, node, spec)
+        if isinstance(spec, JoinSpec):
+            return self._join(run, node, spec)
+        if isinstance(spec, LoopSpec):
+            return await self._loop(run, node, spec)
         return None  # fork: a pure split
 
-    async def _loop(self, run: _Run, node: Node) -> dict[str, Any]:
-        condition: Callable | None = node.spec["condition"]
+    @staticmethod
+    async def _tool(run: _Run, node: Node, spec: ToolSpec) -> None:
+        # a synchronous tool runs in a thread: it never stalls the other runs on this loop
+        view, fn = dict(run.state), spec.fn
+        value = fn(view) if inspect.iscoroutinefunction(fn) else await call_in_thread(fn, view, name=f"tool node {node.name!r}")
+        if inspect.isawaitable(value):
+            value = await value
+        run.state[node.output] = value
+
+    @staticmethod
+    def _join(run: _Run, node: Node, spec: JoinSpec) -> dict[str, Any] | None:
+        g = run.graph
+        if spec.first:
+            winner = run.winners[node.name]
+            value = run.state.get(g.node(winner).output)
+            run.state[node.output] = spec.merge([value]) if spec.merge else value
+            return {"winner": winner}
+        values = [run.state.get(g.node(p).output) for p in g.dag.predecessors(node.name) if g.node(p).output]
+        run.state[node.output] = spec.merge(values) if spec.merge else values
+        return None
+
+    async def _loop(self, run: _Run, node: Node, spec: LoopSpec) -> dict[str, Any]:
         iters = 0
         run.state[node.output] = 0
-        while iters < node.spec["max_iters"] and (condition is None or condition(dict(run.state))):
+        while iters < spec.max_iters and (spec.condition is None or spec.condition(dict(run.state))):
             await self._run_region(run, node.name)
             iters += 1
             run.state[node.output] = iters
-        return {"iterations": iters, "bounded": iters >= node.spec["max_iters"]}
+        return {"iterations": iters, "bounded": iters >= spec.max_iters}
 
-    async def _generate(self, run: _Run, node: Node) -> dict[str, Any]:
-        spec = node.spec
-        prompt = spec["prompt"]
+    async def _generate(self, run: _Run, node: Node, spec: GenerateSpec) -> dict[str, Any]:
+        prompt = spec.prompt
         content = prompt.format_map(run.state) if isinstance(prompt, str) else prompt(dict(run.state))
         if isinstance(content, str):
-            messages = ([{"role": "system", "content": spec["system"]}] if spec["system"] else [])
+            messages = [{"role": "system", "content": spec.system}] if spec.system else []
             messages.append({"role": "user", "content": content})
         else:
             messages = content
         request = GenerationRequest(
-            messages=messages, continue_final=messages[-1]["role"] == "assistant", max_new_tokens=spec["max_tokens"], stop=spec["stop"],
-            temperature=spec["temperature"], speculative=self.speculative, session_id=run.session_id(spec["session"]),
+            messages=messages, continue_final=messages[-1]["role"] == "assistant", max_new_tokens=spec.max_tokens,
+            stop=list(spec.stop), temperature=spec.temperature, speculative=self.speculative,
+            session_id=run.session_id(spec.session),
         )
-        completion = await run.models[spec["tier"]].generate(request)
-        run.state[node.output] = completion.text.strip() if spec["strip"] else completion.text
-        return {"model": spec["tier"], "finish_reason": completion.finish_reason, "spec": completion.spec.spec_dict(),
+        completion = await run.models[spec.tier].generate(request)
+        run.state[node.output] = completion.text.strip() if spec.strip else completion.text
+        return {"model": spec.tier, "finish_reason": completion.finish_reason, "spec": completion.spec.spec_dict(),
                 "model_time_s": round(completion.time_s, 6)}
 
-    async def _think(self, run: _Run, node: Node) -> dict[str, Any]:
-        spec = node.spec
+    async def _think(self, run: _Run, node: Node, spec: ThinkSpec) -> dict[str, Any]:
         budget = self.step_budget
-        if spec["max_steps"] is not None or spec["max_tokens"] is not None:
-            budget = budget.model_copy(update={k: spec[k] for k in ("max_steps", "max_tokens") if spec[k] is not None})
+        limits = {k: v for k, v in (("max_steps", spec.max_steps), ("max_tokens", spec.max_tokens)) if v is not None}
+        if limits:
+            budget = budget.model_copy(update=limits)
         loop = StepLoop(
-            run.models["small"], run.models["large"], spec["policy"] or self.policy, self.segment, budget,
-            system=spec["system"], speculative=self.speculative, temperature=spec["temperature"], seed=spec["seed"],
+            run.models["small"], run.models["large"], spec.policy or self.policy, self.segment, budget,
+            system=spec.system, speculative=self.speculative, temperature=spec.temperature, seed=spec.seed,
             session_id=run.session_id(node.name),
         )
-        problem = spec["problem"].format_map(run.state)
+        problem = spec.problem.format_map(run.state)
         result = None
         index = 0
         async for item in loop.stream(problem):

@@ -9,6 +9,7 @@ owns whatever a run keeps between steps (a lookahead task, a judge over the run'
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, Protocol, get_args
 
@@ -98,7 +99,7 @@ class Policy:
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {key!r}")
 
     def start(self, ctx: StepContext) -> PolicyRun:
-        return StatelessRun(self)
+        return StatelessRun(self.decide)
 
     async def decide(self, ctx: StepContext) -> StepOutcome:
         raise NotImplementedError(f"policy {self.name!r} keeps per-run state: step through start(ctx)")
@@ -117,12 +118,13 @@ class Policy:
 
 @dataclass(slots=True)
 class StatelessRun:
-    """The per-run stepper of a policy that keeps nothing between steps."""
+    """The per-run stepper of a policy that keeps nothing between steps: each step is `step(ctx)`
+    (a policy's `decide`, or the `next_step` of a policy written before `start` existed)."""
 
-    policy: Policy
+    step: Callable[[StepContext], Awaitable[StepOutcome]]
 
     async def next_step(self, ctx: StepContext) -> StepOutcome:
-        return await self.policy.decide(ctx)
+        return await self.step(ctx)
 
     async def close(self) -> None:
         return None

@@ -18,7 +18,7 @@ from typing import Any, AsyncIterator
 from pydantic import BaseModel, Field
 
 from thinkahead.models.base import GenerationRequest, LanguageModel
-from thinkahead.step_spec.base import PolicyRun, StepPolicy
+from thinkahead.step_spec.base import PolicyRun, StatelessRun, StepPolicy
 from thinkahead.step_spec.segment import SegmentConfig, has_final_answer, is_repeated
 from thinkahead.step_spec.state import TIERS, StepContext, StepOutcome, Tier, check_tier
 
@@ -206,18 +206,7 @@ def start_run(policy: StepPolicy | Any, ctx: StepContext) -> PolicyRun:
         return start(ctx)
     if not hasattr(policy, "next_step"):
         raise ValueError(f"a step policy needs start(ctx) (or next_step(ctx)), got {type(policy).__name__}")
-    return _Legacy(policy)
-
-
-@dataclass(slots=True)
-class _Legacy:
-    policy: Any
-
-    async def next_step(self, ctx: StepContext) -> StepOutcome:
-        return await self.policy.next_step(ctx)
-
-    async def close(self) -> None:
-        return None
+    return StatelessRun(policy.next_step)
 
 
 def _large_calls(steps: list[StepOutcome]) -> int:

@@ -19,7 +19,7 @@ import copy
 import time
 from typing import Any, Literal, get_args
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 
 from thinkahead.models.base import LanguageModel
 from thinkahead.step_spec.base import (
@@ -62,18 +62,12 @@ class SpecReasonOptions(PolicyOptions):
     first_large_steps: int = Field(default=0, ge=0, description="the first N steps go to the large model")
     lookahead: bool = Field(default=False, description="draft the next step while this one is judged")
 
-    @field_validator("judge", mode="before")
+    @field_validator("judge", "repair", mode="before")
     @classmethod
-    def _known_judge(cls, value: Any) -> Any:
-        if value not in JUDGES:
-            raise ValueError(f"specreason judge must be one of {', '.join(JUDGES)}, got {value!r}")
-        return value
-
-    @field_validator("repair", mode="before")
-    @classmethod
-    def _known_repair(cls, value: Any) -> Any:
-        if value not in REPAIRS:
-            raise ValueError(f"specreason repair must be one of {', '.join(REPAIRS)}, got {value!r}")
+    def _known_choice(cls, value: Any, info: ValidationInfo) -> Any:
+        choices = {"judge": JUDGES, "repair": REPAIRS}[info.field_name]
+        if value not in choices:
+            raise ValueError(f"specreason {info.field_name} must be one of {', '.join(choices)}, got {value!r}")
         return value
 
 

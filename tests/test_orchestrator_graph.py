@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
-import pytest
+import re
 
-from thinkahead.orchestrator.graph import END, START, GraphError, StepGraph, template_fields
+import pytest
+from thinkahead.orchestrator.graph import (
+    END,
+    START,
+    GraphError,
+    StepGraph,
+    template_fields,
+)
 
 
 def _tool(state):
@@ -157,3 +164,94 @@ def test_mermaid_shows_every_node_and_labelled_edge():
     assert "n_rounds -->|body| n_rewrite" in text
     assert "n_rounds -->|exit| n_answer" in text
     assert "loop (max 3)" in text
+
+
+# --------------------------------------------------------------------------- typed node specs
+
+
+@pytest.mark.parametrize(("add", "message"), [
+    (lambda g: g.add_think("think", "{input}", max_steps=0), "node 'think': max_steps must be > 0, got 0"),
+    (lambda g: g.add_think("think", "{input}", max_tokens=-5), "node 'think': max_tokens must be > 0, got -5"),
+    (lambda g: g.add_think("think", "{input}", max_steps=2.5), "node 'think': max_steps must be an int or None, got float"),
+    (lambda g: g.add_think("think", "{input}", temperature=-0.1), "node 'think': temperature must be >= 0, got -0.1"),
+    (lambda g: g.add_think("think", "{input}", seed="7"), "node 'think': seed must be an int or None, got str"),
+    (lambda g: g.add_think("think", "{input}", policy="specreason"),
+     "node 'think': policy must be a step policy (with start(ctx)), got str"),
+    (lambda g: g.add_think("think", "{input}", system=3), "node 'think': system must be a string or None, got int"),
+    (lambda g: g.add_think("think", "solve {}"), "node 'think': problem: prompt template 'solve {}' has a positional"),
+    (lambda g: g.add_generate("gen", "{input}", max_tokens=0), "node 'gen': max_tokens must be > 0, got 0"),
+    (lambda g: g.add_generate("gen", "{input}", max_tokens=True), "node 'gen': max_tokens must be an int, got bool"),
+    (lambda g: g.add_generate("gen", "{input}", stop=["ok", ""]), "node 'gen': stop must be a list of non-empty strings"),
+    (lambda g: g.add_generate("gen", "{input}", stop=5), "node 'gen': stop must be a list of non-empty strings, got 5"),
+    (lambda g: g.add_generate("gen", "{input}", strip="no"), "node 'gen': strip must be True or False, got 'no'"),
+    (lambda g: g.add_generate("gen", "{input}", session=""), "node 'gen': session must be a non-empty string, got ''"),
+    (lambda g: g.add_generate("gen", "{input}", temperature=-1), "node 'gen': temperature must be >= 0, got -1"),
+    (lambda g: g.add_generate("gen", "{input}", output=3), "node 'gen': output must be a non-empty string, got 3"),
+    (lambda g: g.add_tool("t", _tool, inputs="question"),
+     "node 't': inputs must be a list of state keys, got the string 'question'"),
+    (lambda g: g.add_tool("t", _tool, inputs=["ok", 3]), "node 't': inputs must be state keys (non-empty strings), got 3"),
+    (lambda g: g.add_join("j", first=1), "node 'j': first must be True or False, got 1"),
+    (lambda g: g.add_join("j", merge="max"), "node 'j': merge must be callable, got str"),
+    (lambda g: g.add_loop("l", max_iters=0), "node 'l': max_iters must be > 0, got 0"),
+    (lambda g: g.add_loop("l", max_iters=2, condition=True), "node 'l': condition must be callable, got bool"),
+])
+def test_a_bad_node_setting_is_refused_when_added_naming_node_and_field(add, message):
+    g = StepGraph()
+    with pytest.raises(GraphError, match=re.escape(message)):
+        add(g)
+    assert g.nodes == {}  # nothing half-added
+
+
+def test_node_specs_are_typed_frozen_records():
+    import dataclasses
+
+    from thinkahead.orchestrator.nodes import (
+        GenerateSpec,
+        JoinSpec,
+        LoopSpec,
+        ThinkSpec,
+    )
+
+    g = StepGraph(inputs=["question"])
+    g.add_think("think", "{question}", max_steps=3, seed=1)
+    g.add_generate("gen", "{think}", tier="small", stop="\n\n", max_tokens=32)
+    g.add_loop("again", max_iters=2)
+    g.add_join("j", first=True)
+    think, gen = g.nodes["think"], g.nodes["gen"]
+    assert isinstance(think.spec, ThinkSpec) and think.kind == "think"
+    assert (think.spec.problem, think.spec.max_steps, think.spec.max_tokens, think.spec.seed) == ("{question}", 3, None, 1)
+    assert think.inputs == ("question",) and think.writes() == ("think", "think_reasoning")
+    assert isinstance(gen.spec, GenerateSpec)
+    assert (gen.spec.tier, gen.spec.stop, gen.spec.max_tokens, gen.spec.session) == ("small", ("\n\n",), 32, "gen")
+    assert isinstance(g.nodes["again"].spec, LoopSpec) and g.nodes["again"].spec.max_iters == 2
+    assert isinstance(g.nodes["j"].spec, JoinSpec) and g.nodes["j"].spec.first is True
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        think.spec.max_steps = 0
+    with pytest.raises(AttributeError):  # slots: no stray settings
+        object.__setattr__(gen.spec, "max_tokns", 8)
+
+
+def test_compile_checks_every_node_spec_again():
+    from thinkahead.orchestrator.nodes import Node, ThinkSpec
+
+    g = StepGraph(inputs=["question"])
+    g.add_think("think", "{question}")
+    g.add_sequence(START, "think", END)
+    g.compile()
+    bad = ThinkSpec(system=None, temperature=0.0, problem="{question}", policy=None, max_steps=0, max_tokens=None,
+                    seed=None)  # built by hand, past add_think's check
+    g.nodes["think"] = Node("think", "think", ("question",), bad)
+    refused(g, "node 'think': max_steps must be > 0, got 0")
+    g.nodes["think"] = Node("other", "think", ("question",), bad)
+    refused(g, "node 'think': graph.nodes must map each name to its Node")
+
+
+def test_add_cycle_wires_a_chain_body_and_the_exit():
+    g = tool_graph("a", "b", "after").add_loop("l", max_iters=2)
+    g.add_edge(START, "l")
+    g.add_cycle("l", ["a", "b"], "after")
+    g.add_edge("after", END)
+    assert g.edges[1:-1] == [("l", "a", "body"), ("a", "b", None), ("b", "l", None), ("l", "after", "exit")]
+    assert g.compile().bodies == {"l": {"a", "b"}}
+    with pytest.raises(GraphError, match="loop 'l': add_cycle needs at least one body node"):
+        g.add_cycle("l", [], "after")

@@ -281,6 +281,8 @@ def test_agreement_judge_checks_digits_and_repairs_from_the_first_disagreement()
             AgreementVerifier(large, **bad)
     with pytest.raises(ValueError, match="judge must be one of llm, agreement"):
         SpecReason(judge="prm")
+    with pytest.raises(ValueError, match="specreason repair must be one of step, token, got 'word'"):
+        SpecReason(repair="word")
 
 
 def test_token_repair_fixes_one_token_and_lets_the_small_model_go_on() -> None:

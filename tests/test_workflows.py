@@ -109,6 +109,17 @@ def test_vote_first_returns_the_first_finished_chain():
         vote(mode="best")
 
 
+def test_bad_workflow_options_are_refused_at_build_time_naming_the_node():
+    with pytest.raises(GraphError, match=r"node 'answer': max_steps must be > 0, got 0"):
+        cot(max_steps=0)
+    with pytest.raises(GraphError, match=r"node 'chain_0': temperature must be >= 0, got -1"):
+        vote(temperature=-1)
+    with pytest.raises(ValueError, match=r"node 'solve': max_tokens must be > 0, got 0"):
+        build_workflow("refine", max_tokens=0)
+    with pytest.raises(GraphError, match=r"node 'turns': max_iters must be > 0, got 0"):
+        react(max_turns=0)
+
+
 def test_pipeline_checker_overrides_a_wrong_solution():
     large = ScriptedModel(outputs=["1. multiply", "VERDICT: wrong. The answer is \\boxed{391}."], logprobs=JUDGE_YES)
     small = ScriptedModel(outputs=["17 * 23 = 381, so \\boxed{381}"])

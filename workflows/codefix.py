@@ -51,8 +51,6 @@ def codefix(*, tests: TestRunner | None = None, rounds: int = 3, max_tokens: int
     g.add_tool("test", run_tests, inputs=["code"])
     g.add_tool("answer", lambda s: extract_code(s["code"]), inputs=["code"])
     g.add_sequence(START, "write", "first_test", "fixes")
-    g.add_edge("fixes", "fix", "body")
-    g.add_sequence("fix", "test", "fixes")
-    g.add_edge("fixes", "answer", "exit")
+    g.add_cycle("fixes", ["fix", "test"], "answer")
     g.add_edge("answer", END)
     return g

@@ -104,8 +104,6 @@ def react(*, tools: dict[str, Callable[[str], str]] | None = None, max_turns: in
     g.add_tool("observe", observe, inputs=["act"])
     g.add_tool("answer", answer, inputs=[])
     g.add_edge(START, "turns")
-    g.add_edge("turns", "act", "body")
-    g.add_sequence("act", "observe", "turns")
-    g.add_edge("turns", "answer", "exit")
+    g.add_cycle("turns", ["act", "observe"], "answer")
     g.add_edge("answer", END)
     return g

@@ -45,8 +45,6 @@ def refine(*, rounds: int = 2, max_tokens: int = 384, solver: str = "large", cri
     g.add_generate("critique", CRITIQUE, tier=critic, max_tokens=max_tokens // 2)
     g.add_tool("answer", _final_answer, inputs=["draft"])
     g.add_sequence(START, "solve", "first_critique", "rounds")
-    g.add_edge("rounds", "rewrite", "body")
-    g.add_sequence("rewrite", "critique", "rounds")
-    g.add_edge("rounds", "answer", "exit")
+    g.add_cycle("rounds", ["rewrite", "critique"], "answer")
     g.add_edge("answer", END)
     return g

@@ -17,24 +17,36 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from thinkahead.config import default
+from thinkahead.evals.report import Column, finish_plot, markdown_report, plot_pareto
 from thinkahead.evals.tasks import Task
 from thinkahead.orchestrator.store import ResultStore
-from thinkahead.evals.report import Column, finish_plot, markdown_report, plot_pareto
 from thinkahead.orchestrator.summary import BatchSummary, summarize
 from thinkahead.orchestrator.trace import RunResult
+from thinkahead.step_spec.specreason import JUDGES, REPAIRS, Judge, Repair
 
 log = logging.getLogger(__name__)
 
 
+def _default_judge() -> Judge:
+    return default("policy.judge")
+
+
+def _default_repair() -> Repair:
+    return default("policy.repair")
+
+
 @dataclass(frozen=True)
 class BenchConfig:
-    """One column of the matrix."""
+    """One column of the matrix. `judge`: specreason's verifier ("agreement": thresholds do not
+    apply); `repair`: after a failed agreement check the large model finishes the step, or fixes
+    one token ("token"). Both default to the config's (`policy.judge`, `policy.repair`)."""
 
     policy: str
     threshold: float | None = None
     token_spec: bool = True
-    judge: str = "llm"  # specreason's verifier ("agreement": thresholds do not apply)
-    repair: str = "step"  # agreement: the large model finishes a failed step, or fixes one token ("token")
+    judge: Judge = field(default_factory=_default_judge)
+    repair: Repair = field(default_factory=_default_repair)
 
     @property
     def label(self) -> str:
@@ -44,17 +56,20 @@ class BenchConfig:
         return name if self.token_spec else f"{name}/no-token-spec"
 
 
-def matrix(policies: list[str], thresholds: list[float], token_spec: str, judges: tuple[str, ...] = ("llm",),
-           repair: str = "step") -> list[BenchConfig]:
+def matrix(policies: list[str], thresholds: list[float], token_spec: str, judges: tuple[str, ...] | None = None,
+           repair: str | None = None) -> list[BenchConfig]:
     """Every policy with token speculation "on", "off" or "both"; specreason once per judge, and
-    with the LLM judge once per threshold; `repair` applies to the agreement judge."""
+    with the LLM judge once per threshold; `repair` applies to the agreement judge (the other
+    judges keep the default repair). `judges` / `repair` None: the config's defaults."""
     if token_spec not in ("on", "off", "both"):
         raise ValueError(f"token_spec must be 'on', 'off' or 'both', got {token_spec!r}")
-    from thinkahead.step_spec.policies import JUDGES
-
+    judges = (_default_judge(),) if judges is None else judges
     unknown = [j for j in judges if j not in JUDGES]
     if not judges or unknown:
         raise ValueError(f"judges must be among {', '.join(JUDGES)}, got {list(judges)}")
+    repair = _default_repair() if repair is None else repair
+    if repair not in REPAIRS:
+        raise ValueError(f"repair must be one of {', '.join(REPAIRS)}, got {repair!r}")
     specs = {"on": [True], "off": [False], "both": [True, False]}[token_spec]
     out = []
     for policy in policies:
@@ -64,8 +79,8 @@ def matrix(policies: list[str], thresholds: list[float], token_spec: str, judges
                 continue
             for judge in judges:
                 sweep = thresholds if judge == "llm" and thresholds else [None]
-                fix = repair if judge == "agreement" else "step"
-                out.extend(BenchConfig(policy, t, spec, judge, fix) for t in sweep)
+                fix = repair if judge == "agreement" else _default_repair()
+                out.extend(BenchConfig(policy, t, spec, judge, fix) for t in sweep)  # type: ignore[arg-type]
     return out
 
 
