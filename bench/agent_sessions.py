@@ -58,6 +58,7 @@ from offline_data import gsm8k, humaneval  # noqa: E402
 from thinkahead.token_spec.drafters import CombinedDrafter, PromptLookupDrafter, SuffixDrafter  # noqa: E402
 from thinkahead.token_spec.simulator import SessionReplayStats, Turn, replay_sessions  # noqa: E402
 from thinkahead.token_spec.suffix_cache import SuffixCache  # noqa: E402
+from thinkahead.token_spec import suffix_impl  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CACHE = Path(os.environ.get("THINKAHEAD_HOME") or Path.home() / ".cache" / "thinkahead")
@@ -439,7 +440,14 @@ def main() -> None:
     parser.add_argument("--max-draft", type=int, default=32)
     parser.add_argument("--quick", action="store_true", help="a small smoke run")
     parser.add_argument("--drafters", nargs="*", default=list(DRAFTERS), choices=list(DRAFTERS))
+    parser.add_argument("--tree", choices=("native", "python", "both"), default=None,
+                        help="suffix tree implementation (THINKAHEAD_SUFFIX_IMPL); both: replay under each, check the "
+                        "tokens per step are identical, and write agent_sessions_trees.json with the speed ratios")
     args = parser.parse_args()
+    if args.tree == "both":
+        return compare_trees(args)
+    if args.tree is not None:
+        os.environ[suffix_impl.ENV_VAR] = args.tree
 
     t_start = time.perf_counter()
     tok = load_tokenizer(args.tokenizer)
@@ -509,6 +517,89 @@ def main() -> None:
     (RESULTS / f"agent_sessions{suffix}.json").write_text(json.dumps(out, indent=2) + "\n")
     (RESULTS / f"agent_sessions{suffix}.md").write_text(markdown(out))
     print(f"combined vs best single source: {gain}; total {out['runtime_s']} s")
+
+
+def large_tool_turns(sessions: list[RecordedSession], impl: str, lo: int = 50_000, hi: int = 130_000,
+                     new: int = 1_400, output: int = 40) -> dict:
+    """Continued turns of one long agent session whose turns add large tool outputs (`new` tokens each).
+
+    The conversation is the recorded sessions' text run together; it starts at `lo` prompt tokens and
+    each turn appends `new` tokens of tool output plus `output` tokens the model wrote, up to `hi`. Timed:
+    the turn's update, through `continue_session` (the agent passes the new tokens) and through
+    `start_request` with the whole growing prompt (compared with the session's tokens first).
+    """
+    stream: list[int] = []
+    for session in sessions:
+        stream.extend(session.tokens.tolist())
+    if len(stream) < hi + new + output:
+        stream = (stream * (1 + (hi + new + output) // max(1, len(stream))))
+    clock = time.perf_counter
+    out: dict = {"impl": impl, "prompt_tokens": [lo, hi], "new_tokens_per_turn": new}
+    for mode in ("continue_session", "start_request"):
+        cache = SuffixCache(tree_impl=impl)
+        end = lo
+        cache.start_request(0, stream[:end], session_id="agent")
+        cache.extend(0, stream[end:end + output])
+        cache.stop_request(0)
+        end += output
+        times: list[float] = []
+        turn = 1
+        while end + new + output <= hi:
+            t0 = clock()
+            if mode == "continue_session":
+                cache.continue_session(turn, "agent", stream[end:end + new])
+            else:
+                cache.start_request(turn, stream[:end + new], session_id="agent")
+            times.append(clock() - t0)
+            end += new
+            cache.extend(turn, stream[end:end + output])
+            cache.stop_request(turn)
+            end += output
+            turn += 1
+        ordered = sorted(times)
+        out[mode] = {"turns": len(ordered), "update_p50_ms": round(ordered[len(ordered) // 2] * 1e3, 3),
+                     "update_p99_ms": round(ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] * 1e3, 3)}
+    return out
+
+
+def compare_trees(args: argparse.Namespace) -> None:
+    """Replay the sessions under the python and the native tree: same tokens per step, and the speed-ups."""
+    tok = load_tokenizer(args.tokenizer)
+    if args.quick:
+        sessions = build_sessions(tok, n_code=1, tasks_per_session=8, n_react=1, problems_per_session=8)
+    else:
+        sessions = build_sessions(tok, n_code=3, tasks_per_session=40, n_react=3, problems_per_session=40)
+    runs: dict[str, dict] = {}
+    for impl in ("python", "native"):
+        os.environ[suffix_impl.ENV_VAR] = impl
+        rows = {}
+        for name in args.drafters:
+            drafter = DRAFTERS[name]()
+            total = SessionReplayStats()
+            t0 = time.perf_counter()
+            for session in sessions:
+                _merge(total, replay_sessions(drafter, [session], max_tokens=args.max_draft, tag=name))
+            rows[name] = dict(total.summary(), replay_s=round(time.perf_counter() - t0, 2))
+        runs[impl] = rows
+    same = {name: runs["python"][name]["tokens_per_step"] == runs["native"][name]["tokens_per_step"]
+            for name in args.drafters}
+    ratios = {
+        name: {key: round(runs["python"][name][key] / runs["native"][name][key], 1)
+               for key in ("update_p50_ms", "update_p99_ms", "propose_p50_us", "replay_s")
+               if runs["native"][name].get(key)}
+        for name in args.drafters
+    }
+    large = {impl: large_tool_turns(sessions, impl) for impl in ("python", "native")}
+    print(f"turns adding large tool outputs: {json.dumps(large)}")
+    out = {"tokenizer": tok.name, "quick": args.quick, "max_draft": args.max_draft, "runs": runs,
+           "large_tool_output_turns": large,
+           "tokens_per_step_identical": same, "python_over_native": ratios,
+           "platform": {"python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count()}}
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"agent_sessions_trees{'_quick' if args.quick else ''}.json").write_text(json.dumps(out, indent=2) + "\n")
+    for name in args.drafters:
+        print(f"{name:22s} tokens/step python {runs['python'][name]['tokens_per_step']:.4f} native "
+              f"{runs['native'][name]['tokens_per_step']:.4f} identical {same[name]}  python/native {ratios[name]}")
 
 
 def _merge(target: SessionReplayStats, one: SessionReplayStats) -> None:

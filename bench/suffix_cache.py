@@ -19,6 +19,8 @@ Writes bench/results/suffix_cache.json and prints it, with the CPU's flags from 
 
   python bench/suffix_cache.py [--responses 5000] [--replay 300] [--full-at 500,2000,5000]
                                [--memory-responses 600] [--tokenizer qwen2.5-coder-0.5b]
+  python bench/suffix_cache.py --tree both --out bench/results/suffix_native.json
+      only the native core's targets (issue 19), python and native trees in one run, with ratios
 """
 
 from __future__ import annotations
@@ -159,6 +161,117 @@ def traced_cache(records, max_depth: int, count: int, cap: int | None) -> dict[s
     }
 
 
+def tree_targets(records, impl: str, max_depth: int, responses: int, batch: int = 64) -> dict[str, object]:
+    """The native core's targets (issue 19) for one tree implementation, on the same responses.
+
+    - append: per-token cost of adding a response to the global tree of a cache holding `responses`
+      (each `stop_request` inserts one response; the cache is warm and full, so each also evicts);
+    - speculate: chain and tree drafts (`SuffixCache.speculate`) of held-out requests, p50/p99 per call;
+    - combined: one `CombinedDrafter.propose` (its four sources and the merge), p50/p99;
+    - batch: `speculate_batch` over `batch` live requests, per call;
+    - rebuild: a request tree over an 84k-token prompt (the responses concatenated);
+    - memory: the global tree's estimated bytes per stored token.
+    """
+    from thinkahead.token_spec.drafters import CombinedDrafter
+    from thinkahead.token_spec.verify import SamplingParams
+
+    clock = time.perf_counter
+    cache = SuffixCache(max_depth=max_depth, max_cached_requests=responses, max_memory_bytes=None, tree_impl=impl)
+    for i, (_, output) in enumerate(records[:responses]):
+        cache._insert(("warm", i), output)
+    per_token: list[float] = []
+    for i, (prompt, output) in enumerate(records[responses:responses + 500]):
+        cache.start_request(i, prompt)
+        cache.extend(i, output)
+        t0 = clock()
+        cache.stop_request(i)  # inserts the output (and evicts the oldest): the global tree's append
+        per_token.append((clock() - t0) / max(1, len(output)))
+    out: dict[str, object] = {"impl": impl, "append_us_per_token": _us(per_token)}
+    gtree = cache.global_tree
+    out["memory"] = {
+        "tokens": gtree.num_tokens, "nodes": gtree.num_nodes,
+        "estimated_bytes_per_token": round(cache.estimated_bytes / gtree.num_tokens, 1),
+    }
+    held = records[responses + 500:responses + 500 + 200]
+    chain_t: list[float] = []
+    tree_t: list[float] = []
+    for i, (prompt, output) in enumerate(held):
+        rid = ("held", i)
+        cache.start_request(rid, prompt)
+        context = list(prompt)
+        for token in output[:40]:
+            for tree, sink in ((False, chain_t), (True, tree_t)):
+                t0 = clock()
+                cache.speculate(rid, context, max_tokens=16, max_spec_factor=1.0, tree=tree)
+                sink.append(clock() - t0)
+            cache.extend(rid, [token])
+            context.append(token)
+        cache.stop_request(rid)
+    out["speculate_chain_us"], out["speculate_tree_us"] = _us(chain_t), _us(tree_t)
+    drafter = CombinedDrafter(cache)
+    combined_t: list[float] = []
+    for i, (prompt, output) in enumerate(held[:100]):
+        rid = ("combined", i)
+        drafter.start(rid, prompt, SamplingParams())
+        context = list(prompt)
+        for token in output[:40]:
+            t0 = clock()
+            drafter.propose(rid, context, 16)
+            combined_t.append(clock() - t0)
+            drafter.observe(rid, [token], None)  # type: ignore[arg-type]
+            context.append(token)
+        drafter.finish(rid)
+    out["combined_us"] = _us(combined_t)
+    live = []
+    for i, (prompt, output) in enumerate(held[:batch]):
+        cache.start_request(("batch", i), prompt + output[:10])
+        live.append((("batch", i), prompt + output[:10]))
+    batch_t: list[float] = []
+    for _ in range(50):
+        t0 = clock()
+        cache.speculate_batch(live, max_tokens=16, tree=True)
+        batch_t.append(clock() - t0)
+    out[f"batch_{batch}_us"] = _us(batch_t)
+    big: list[int] = []
+    for _, output in records:
+        big.extend(output)
+        if len(big) >= 84_000:
+            break
+    big = big[:84_000]
+    rebuild: list[float] = []
+    for k in range(3):
+        t0 = clock()
+        cache.start_request(("big", k), big)  # a request tree over the whole prompt
+        rebuild.append(clock() - t0)
+        cache.stop_request(("big", k))  # no output: nothing joins the global tree
+    out["rebuild_84k_ms"] = round(sorted(rebuild)[1] * 1e3, 1)
+    return out
+
+
+def _us(seconds: list[float]) -> dict[str, float]:
+    ordered = sorted(seconds)
+    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
+    return {"n": len(ordered), "p50": round(pick(0.5) * 1e6, 2), "p99": round(pick(0.99) * 1e6, 2)}
+
+
+def compare_trees(records, impls: list[str], max_depth: int, responses: int) -> dict[str, object]:
+    """`tree_targets` for each implementation, and python/native ratios when both ran."""
+    runs = {impl: tree_targets(records, impl, max_depth, responses) for impl in impls}
+    out: dict[str, object] = dict(runs)
+    if len(runs) == 2:
+        py, nt = runs["python"], runs["native"]
+        ratios: dict[str, float] = {}
+        for key, value in nt.items():
+            if isinstance(value, dict) and "p50" in value:
+                ratios[f"{key}_p50"] = round(py[key]["p50"] / max(value["p50"], 1e-9), 1)
+        ratios["rebuild_84k"] = round(py["rebuild_84k_ms"] / max(nt["rebuild_84k_ms"], 1e-9), 1)
+        ratios["bytes_per_token"] = round(
+            py["memory"]["estimated_bytes_per_token"] / nt["memory"]["estimated_bytes_per_token"], 2
+        )
+        out["python_over_native"] = ratios
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--responses", type=int, default=5000)
@@ -168,6 +281,8 @@ def main() -> None:
     ap.add_argument("--tokenizer", default="qwen2.5-coder-0.5b")
     ap.add_argument("--max-depth", type=int, default=64)
     ap.add_argument("--out", default=str(RESULTS / "suffix_cache.json"))
+    ap.add_argument("--tree", choices=("native", "python", "both"), default=None,
+                    help="only the native core's targets, for this tree implementation or both (with ratios)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
@@ -178,6 +293,13 @@ def main() -> None:
     records = [(tokenizer(r["question"])["input_ids"], tokenizer(r["answer"])["input_ids"]) for r in rows[:need]]
     warm, held_out = records[: args.responses], records[args.responses: args.responses + args.replay]
     results: dict[str, object] = {"cpu": cpu(), "command": "python bench/suffix_cache.py " + " ".join(sys.argv[1:])}
+    if args.tree is not None:
+        impls = ["python", "native"] if args.tree == "both" else [args.tree]
+        results["trees"] = compare_trees(records, impls, args.max_depth, args.responses)
+        out = Path(args.out)
+        out.write_text(json.dumps(results, indent=1))
+        log.info("%s", json.dumps(results["trees"], indent=1))
+        return
 
     log.info("stop_request latency ...")
     latency: dict[str, object] = {}

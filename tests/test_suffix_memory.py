@@ -97,13 +97,14 @@ def test_default_memory_cap_suits_a_laptop_and_is_settable(tmp_path) -> None:
 
 
 def test_memory_estimate_tracks_tracemalloc_and_the_cap_holds() -> None:
+    """The Python tree's estimate against tracemalloc (the native tree counts its own arrays: test_suffix_native)."""
     count, cap = 800, 1 << 20
     responses = Responses(seed=1)
     gc.collect()
     tracemalloc.start()
     try:
         base = tracemalloc.get_traced_memory()[0]
-        cache = SuffixCache(request_depth=2, max_cached_requests=-1, max_memory_bytes=cap)
+        cache = SuffixCache(request_depth=2, max_cached_requests=-1, max_memory_bytes=cap, tree_impl="python")
         fill(cache, responses, count, cap)
         gc.collect()
         measured = tracemalloc.get_traced_memory()[0] - base  # every Python allocation the cache made
@@ -121,7 +122,7 @@ def test_memory_cap_holds_over_100k_responses() -> None:
     # tracemalloc would slow 100k responses fivefold: deep_bytes measures the cache instead
     # short responses and a shallow tree keep it to about a minute; the cap is what is under test
     count, cap = 100_000, 2 << 20
-    cache = SuffixCache(max_depth=16, request_depth=2, max_cached_requests=-1, max_memory_bytes=cap)
+    cache = SuffixCache(max_depth=16, request_depth=2, max_cached_requests=-1, max_memory_bytes=cap, tree_impl="python")
     fill(cache, Responses(seed=2, lengths=(20, 60)), count, cap, checks=20)
     assert 50 < len(cache.cached_requests) < 2000
 

@@ -190,3 +190,22 @@ def test_bad_input() -> None:
     tree.extend(1, [5])
     with pytest.raises(ValueError, match="live"):
         tree.remove(1)
+
+
+def test_interleaved_live_sequences_keep_their_cursors_through_merges() -> None:
+    """A merge while another sequence is live moves that sequence's cursor: its text stays matchable.
+
+    Sequence 1 repeating sequence 0's "1 0" merges the node sequence 0's cursor sat at into its parent;
+    the cursor used to stay on the detached node, so sequence 0's later tokens went nowhere.
+    """
+    tree = SuffixTree(4)
+    tree.extend(0, [1, 0])
+    tree.extend(1, [1, 0])
+    tree.extend(2, [1])
+    tree.extend(0, [0])
+    tree.extend(2, [0])
+    assert len(tree.match_positions([1, 0, 0])) == 3
+    fresh = SuffixTree(4)
+    for seq_id, tokens in ((0, [1, 0, 0]), (1, [1, 0]), (2, [1, 0])):
+        fresh.add(seq_id, tokens)
+    assert tree.num_nodes == fresh.num_nodes

@@ -25,17 +25,18 @@ least-recently-used eviction under `max_sessions` / `max_session_bytes`.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Iterator, Sequence
 import operator
 import os
 import time
 
 from thinkahead.token_spec.draft import Draft
+from thinkahead.token_spec import suffix_impl as impl
+from thinkahead.token_spec.suffix_drafts import _check_draft_args, _tree_of_chains
 from thinkahead.token_spec.suffix_eviction import global_tree_bytes, shared_ids
 from thinkahead.token_spec.suffix_persist import read_cache, write_cache
 from thinkahead.token_spec.suffix_sessions import SessionsMixin, SessionStats, _Session, build_request_tree
-from thinkahead.token_spec.suffix_tree import Position, SuffixTree
 
 # The global tree's default memory cap: a quarter GiB, 2-3% of an 8-16 GB laptop next to a small
 # model. At the ~240 bytes per response token measured on GSM8K answers (bench/suffix_cache.py) it
@@ -46,9 +47,9 @@ DEFAULT_MAX_MEMORY_BYTES = 256 * 2**20
 
 @dataclass(slots=True)
 class _Request:
-    tree: SuffixTree  # over prompt + output; its one sequence has id 0
+    tree: Any  # a SuffixTree (suffix_impl) over prompt + output; its one sequence has id 0
     prompt_len: int
-    global_positions: list[Position] = field(default_factory=list)
+    global_positions: Any = None  # matches in the global tree (the tree's own position type)
     global_version: int = -1  # the global tree version the positions belong to
     session_id: Hashable | None = None  # where the tree goes when the request stops
 
@@ -76,6 +77,8 @@ class SuffixCache(SessionsMixin):
         max_session_bytes: estimated memory cap over all idle sessions' trees, or None.
         session_idle_s: a session unused for longer than this ends, or None (never).
         clock: seconds as a float, for idle timeouts (tests inject a fake one).
+        tree_impl: "native" or "python" (`suffix_impl`); None: `$THINKAHEAD_SUFFIX_IMPL` (`suffix_impl.ENV_VAR`), else native
+            when its extension loads.
     """
 
     def __init__(
@@ -88,6 +91,7 @@ class SuffixCache(SessionsMixin):
         max_session_bytes: int | None = 1 << 30,
         session_idle_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
+        tree_impl: str | None = None,
     ) -> None:
         if not isinstance(max_cached_requests, int):
             raise ValueError(f"max_cached_requests must be an integer, got {max_cached_requests!r}")
@@ -101,7 +105,8 @@ class SuffixCache(SessionsMixin):
             raise ValueError(f"session_idle_s must be positive or None, got {session_idle_s!r}")
         if request_depth is not None and (not isinstance(request_depth, int) or request_depth < 2):
             raise ValueError(f"request_depth must be an integer >= 2 or None, got {request_depth!r}")
-        self.global_tree = SuffixTree(max_depth)  # checks max_depth
+        self.tree_impl = impl.tree_impl(tree_impl)
+        self.global_tree = impl.new_tree(max_depth, self.tree_impl)  # checks max_depth
         self.max_depth = max_depth
         self.request_depth = request_depth
         self._request_depth = request_depth if request_depth is not None else min(max_depth, 32)
@@ -124,7 +129,7 @@ class SuffixCache(SessionsMixin):
         """Forget every cached output and session (a cold cache), e.g. between benchmark runs that must not share."""
         if self._requests:
             raise ValueError(f"cannot clear the suffix cache while requests are live: {list(self._requests)[:5]}")
-        self.global_tree = SuffixTree(self.max_depth)
+        self.global_tree = impl.new_tree(self.max_depth, self.tree_impl)
         self._cached.clear()
         self._evicted = 0
         self._sessions.clear()
@@ -154,17 +159,18 @@ class SuffixCache(SessionsMixin):
             session_id = None  # sessions disabled: serve the request on its own
         if session_id is None:
             tokens = _checked_tokens(prompt_ids, "prompt_ids")
-            tree = build_request_tree(self._request_depth, tokens)
+            tree = build_request_tree(self._request_depth, tokens, self.tree_impl)
             self._requests[rid] = _Request(tree=tree, prompt_len=len(tokens))
             return
         self._expire(self.clock())
         stats = self.session_stats
         busy = session_id in self._held
         session = None if busy else self._sessions.get(session_id)
-        tree: SuffixTree | None = None
+        tree: Any = None
         if session is not None:
-            new = prompt_extension(session.tree.tokens(0), prompt_ids)
+            new = impl.extension_of(session.tree, prompt_ids)
             if new is not None:
+                new = _checked_tokens(new, "prompt_ids")
                 self._discard_idle(session_id)
                 tree = session.tree
                 tree.extend(0, new)
@@ -172,7 +178,7 @@ class SuffixCache(SessionsMixin):
                 stats.extended_tokens += len(new)
         if tree is None:
             tokens = _checked_tokens(prompt_ids, "prompt_ids")
-            tree = build_request_tree(self._request_depth, tokens)
+            tree = build_request_tree(self._request_depth, tokens, self.tree_impl)
             if busy:
                 stats.session_busy += 1
             else:
@@ -184,7 +190,7 @@ class SuffixCache(SessionsMixin):
                 stats.rebuilt_tokens += len(tokens)
         if not busy:
             self._held[session_id] = rid
-        self._requests[rid] = _Request(tree=tree, prompt_len=len(tree.tokens(0)), session_id=session_id)
+        self._requests[rid] = _Request(tree=tree, prompt_len=impl.seq_len(tree), session_id=session_id)
 
     def continue_session(self, rid: Hashable, session_id: Hashable, new_token_ids: Sequence[int]) -> None:
         """Begin a request whose prompt is the session's last prompt + output + `new_token_ids`.
@@ -209,7 +215,7 @@ class SuffixCache(SessionsMixin):
         self.session_stats.extended_tokens += len(new)
         self._held[session_id] = rid
         tree = session.tree
-        self._requests[rid] = _Request(tree=tree, prompt_len=len(tree.tokens(0)), session_id=session_id)
+        self._requests[rid] = _Request(tree=tree, prompt_len=impl.seq_len(tree), session_id=session_id)
 
     def extend(self, rid: Hashable, token_ids: Sequence[int]) -> None:
         """Append generated tokens to a live request."""
@@ -217,16 +223,12 @@ class SuffixCache(SessionsMixin):
         token_ids = _checked_tokens(token_ids, "token_ids")
         req.tree.extend(0, token_ids)
         if req.global_version == self.global_tree.version:
-            advance = self.global_tree.advance_positions
-            positions = req.global_positions
-            for token in token_ids:
-                positions = advance(positions, token)
-            req.global_positions = positions
+            req.global_positions = impl.advance_many(self.global_tree, req.global_positions, token_ids)
 
     def output(self, rid: Hashable) -> list[int]:
         """The tokens generated so far for a live request."""
         req = self._request(rid)
-        return req.tree.tokens(0)[req.prompt_len:]
+        return impl.tokens_from(req.tree, req.prompt_len)
 
     def stop_request(self, rid: Hashable) -> None:
         """End a request; its output joins the global tree (evicting as needed).
@@ -237,7 +239,7 @@ class SuffixCache(SessionsMixin):
         req = self._requests.pop(rid, None)
         if req is None:
             raise ValueError(f"request {rid!r} is not active")
-        response = req.tree.tokens(0)[req.prompt_len:]
+        response = impl.tokens_from(req.tree, req.prompt_len)
         if req.session_id is not None:
             self._park(rid, req)
         if self.max_cached_requests == 0 or not response:
@@ -250,7 +252,8 @@ class SuffixCache(SessionsMixin):
     def _insert(self, rid: Hashable, response: Sequence[int]) -> None:
         seq_id = self._next_seq_id
         self._next_seq_id += 1
-        self.global_tree.add(seq_id, shared_ids(self.global_tree, response))
+        tree = self.global_tree
+        tree.add(seq_id, response if impl.is_native(tree) else shared_ids(tree, response))
         self._cached[rid] = seq_id
         self._enforce_limits(keep=rid)
 
@@ -320,6 +323,47 @@ class SuffixCache(SessionsMixin):
                 best = draft
         return best
 
+    def speculate_batch(
+        self,
+        requests: Sequence[tuple[Hashable, Sequence[int]]],
+        max_tokens: int = 16,
+        max_spec_factor: float = 1.0,
+        max_spec_offset: float = 0.0,
+        min_token_prob: float = 0.1,
+        tree: bool = False,
+    ) -> list[Draft]:
+        """`speculate` for many (request id, context) pairs at once, the same drafts as one call each.
+
+        For serving loops: with the native tree every request's local and global drafts are
+        computed in two calls that release the GIL (`suffix_impl.speculate_many`).
+        """
+        _check_draft_args(max_tokens, max_spec_factor, min_token_prob)
+        out: list[Draft] = [Draft(source="suffix") for _ in requests]
+        todo: list[int] = []
+        local_trees, local_pos, global_pos = [], [], []
+        has_global = bool(self._cached)
+        for i, (rid, context) in enumerate(requests):
+            req = self._request(rid)
+            if not context or max_tokens == 0:
+                continue
+            is_own = self._is_own(req, context)
+            todo.append(i)
+            local_trees.append(req.tree)
+            local_pos.append(req.tree.live_positions(0) if is_own else req.tree.match_positions(context))
+            if has_global:
+                global_pos.append(self._global_positions(req, context, is_own))
+        params = (max_tokens, max_spec_factor, max_spec_offset, min_token_prob, tree)
+        local = impl.speculate_many(local_trees, local_pos, *params)
+        glob = impl.speculate_many([self.global_tree] * len(todo), global_pos, *params) if has_global else []
+        for k, i in enumerate(todo):
+            best = local[k]
+            best.source = "suffix-local"
+            if has_global and glob[k].score > best.score:
+                best = glob[k]
+                best.source = "suffix-global"
+            out[i] = best
+        return out
+
     def speculate_sources(
         self,
         rid: Hashable,
@@ -362,11 +406,9 @@ class SuffixCache(SessionsMixin):
 
     def _is_own(self, req: _Request, context: Sequence[int]) -> bool:
         """Whether `context` is the request's own prompt + output (so positions are incremental)."""
-        window = self.max_depth - 1
-        own = req.tree.tokens(0)
-        return len(context) == len(own) and list(context[-window:]) == own[-window:]
+        return impl.is_own_context(req.tree, context, self.max_depth - 1)
 
-    def _global_positions(self, req: _Request, context: Sequence[int], is_own: bool) -> list[Position]:
+    def _global_positions(self, req: _Request, context: Sequence[int], is_own: bool) -> Any:
         gtree = self.global_tree
         if is_own and req.global_version == gtree.version:
             return req.global_positions
@@ -415,36 +457,6 @@ class SuffixCache(SessionsMixin):
         written before the memory cap had a default load with today's default.
         """
         return read_cache(cls, path, overrides)
-
-
-def _check_draft_args(max_tokens: int, max_spec_factor: float, min_token_prob: float) -> None:
-    if max_tokens < 0:
-        raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
-    if not 0.0 <= min_token_prob <= 1.0:
-        raise ValueError(f"min_token_prob must be in [0, 1], got {min_token_prob}")
-    if max_spec_factor < 0:
-        raise ValueError(f"max_spec_factor must be >= 0, got {max_spec_factor}")
-
-
-def _tree_of_chains(chains: list[tuple[int, list[int]]], source: str) -> Draft:
-    """One draft tree holding every chain (shared prefixes merged); match_len is the longest chain's match."""
-    index: dict[tuple[int, int], int] = {}
-    tokens: list[int] = []
-    parents: list[int] = []
-    for _, chain in chains:
-        node = -1
-        for token in chain:
-            nxt = index.get((node, token))
-            if nxt is None:
-                nxt = index[(node, token)] = len(tokens)
-                tokens.append(token)
-                parents.append(node)
-            node = nxt
-    probs = [1.0] * len(tokens)
-    match_len = max((m for m, _ in chains), default=0)
-    return Draft(
-        token_ids=tokens, parents=parents, probs=probs, score=float(len(tokens)), match_len=match_len, source=source
-    )
 
 
 def prompt_extension(old: list[int], prompt_ids: Sequence[int]) -> list[int] | None:

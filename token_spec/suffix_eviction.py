@@ -48,11 +48,16 @@ RESPONSE_BYTES = 650  # a response's list, ids and entries in the cache's dicts
 # indices (`last`, `prev`) are ints of their own past 256 tokens. Within 3% of tracemalloc on the
 # recorded agent sessions (bench/results/*/tokens.jsonl, 163 conversations, 140k tokens).
 REQUEST_NODE_BYTES = 190
+# The native tree (token_spec/native) reports its own arrays' size (`memory_bytes`); a cached response
+# costs this much more in the cache's Python dicts (its id, its entry in `_cached`).
+NATIVE_RESPONSE_BYTES = 250
 REQUEST_TOKEN_BYTES = 40
 
 
 def global_tree_bytes(tree: SuffixTree, responses: int, evicted: int) -> int:
     """Estimated memory of a cache's global tree holding `responses` responses, after `evicted` left it."""
+    if hasattr(tree, "memory_bytes"):  # the native tree counts its own arrays
+        return tree.memory_bytes() + responses * NATIVE_RESPONSE_BYTES
     churn = min(1.0, evicted / responses) if responses else 0.0
     return int(
         tree.num_nodes * (NODE_BYTES + CHURN_NODE_BYTES * churn)
@@ -85,6 +90,8 @@ def shared_ids(tree: SuffixTree, tokens: Sequence[int]) -> list[int]:
 
 def request_tree_bytes(tree: SuffixTree) -> int:
     """Estimated memory of a request's (or an idle session's) tree."""
+    if hasattr(tree, "memory_bytes"):
+        return tree.memory_bytes()
     return tree.num_nodes * REQUEST_NODE_BYTES + tree.num_tokens * REQUEST_TOKEN_BYTES
 
 
@@ -246,6 +253,8 @@ def _merge(tree: SuffixTree, node: _Node, child: _Node) -> None:
     node.last, node.prev = child.last, child.prev
     child.count = 0  # merged away
     tree.num_nodes -= 1
+    if tree._live:
+        tree._redirect(child, node)  # a live sequence's suffix that ended at `child` now ends at `node`
     orders = tree._orders
     if orders and child in orders:
         orders[node] = orders.pop(child)

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Hashable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterator
 
+from thinkahead.token_spec import suffix_impl as impl
 from thinkahead.token_spec.suffix_eviction import request_tree_bytes
-from thinkahead.token_spec.suffix_tree import SuffixTree
 
 if TYPE_CHECKING:  # pragma: no cover
     from thinkahead.token_spec.suffix_cache import _Request
@@ -21,7 +21,7 @@ if TYPE_CHECKING:  # pragma: no cover
 class _Session:
     """An idle session: the tree over its last prompt + output, waiting for the next turn."""
 
-    tree: SuffixTree
+    tree: Any  # a SuffixTree of either implementation (suffix_impl)
     last_used: float
     bytes: int
 
@@ -49,6 +49,7 @@ class SessionsMixin:
     _requests: dict[Hashable, _Request]
     _session_bytes: int
     _request_depth: int
+    tree_impl: str
     session_stats: SessionStats
     session_idle_s: float | None
     max_sessions: int | None
@@ -95,14 +96,14 @@ class SessionsMixin:
         self._expire(self._sessions[session_id].last_used)
         self._enforce_session_limits()
 
-    def _add_idle(self, session_id: Hashable, tree: SuffixTree, now: float) -> None:
+    def _add_idle(self, session_id: Hashable, tree: Any, now: float) -> None:
         size = request_tree_bytes(tree)
         self._sessions[session_id] = _Session(tree=tree, last_used=now, bytes=size)
         self._session_bytes += size
 
     def _restore_session(self, session_id: Hashable, tokens: list[int], now: float) -> None:
         """An idle session read from a file (suffix_persist)."""
-        self._add_idle(session_id, build_request_tree(self._request_depth, tokens), now)
+        self._add_idle(session_id, build_request_tree(self._request_depth, tokens, self.tree_impl), now)
 
     def _idle_session_tokens(self) -> Iterator[tuple[Hashable, list[int]]]:
         """(session id, last prompt + output) of each idle session, least recently used first."""
@@ -142,8 +143,8 @@ class SessionsMixin:
         return list(session.tree.tokens(0))
 
 
-def build_request_tree(max_depth: int, tokens: list[int]) -> SuffixTree:
-    """A request tree (one live sequence, id 0) over `tokens`."""
-    tree = SuffixTree(max_depth)
+def build_request_tree(max_depth: int, tokens: list[int], tree_impl: str | None = None) -> Any:
+    """A request tree (one live sequence, id 0) over `tokens`, of the chosen implementation (suffix_impl)."""
+    tree = impl.new_tree(max_depth, tree_impl)
     tree.extend(0, tokens)
     return tree

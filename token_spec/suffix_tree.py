@@ -225,12 +225,22 @@ class SuffixTree:
                     orders[node] = orders.pop(child)
                 node.last, node.prev = child.last, child.prev
                 self.num_nodes -= 1
+                if len(self._live) > 1:
+                    self._redirect(child, node)
                 keep(node)
                 continue
             keep(child)
         if len(advanced) >= self.max_depth:
             del advanced[0]  # that suffix just reached max_depth: it is complete
         live.cursors = advanced
+
+    def _redirect(self, old: _Node, new: _Node) -> None:
+        """Other live sequences' cursors at `old`, merged into `new` (which now ends there), move to `new`."""
+        for live in self._live.values():
+            cursors = live.cursors
+            for k, node in enumerate(cursors):
+                if node is old:
+                    cursors[k] = new
 
     def remove(self, seq_id: int) -> None:
         """Remove a finished sequence and every count it contributed (cost: its own suffixes only)."""

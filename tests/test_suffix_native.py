@@ -1,0 +1,329 @@
+"""The native suffix tree against the Python reference: the same trees, matches and drafts, bit for bit.
+
+Random sequences over small vocabularies (much repetition: splits, merges, ties) and large ones
+(wide nodes, count orders after removals) are appended, extended token by token, finished and
+removed in random orders; after every step both trees must agree on their counters, on the match
+lengths of random contexts and on every draft (tokens, parents, probabilities, scores, match length).
+Caches built on either tree must draft the same through sessions and save/load round trips, and
+their files load under the other implementation.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+
+from thinkahead.token_spec import suffix_impl
+from thinkahead.token_spec.draft import Draft
+from thinkahead.token_spec.suffix_cache import SuffixCache
+from thinkahead.token_spec.suffix_tree import SuffixTree
+
+native = pytest.importorskip("thinkahead.token_spec._suffix_native")
+
+
+def same_draft(a: Draft, b: Draft) -> None:
+    assert (a.token_ids, a.parents, a.probs, a.score, a.match_len, a.source) == (
+        b.token_ids, b.parents, b.probs, b.score, b.match_len, b.source
+    )
+
+
+def check_drafts(py: SuffixTree, nt, rng: random.Random, vocab: int, pool: list[list[int]]) -> None:
+    for _ in range(3):
+        if pool and rng.random() < 0.7:  # a context that ends inside stored text
+            src = rng.choice(pool)
+            cut = rng.randrange(1, len(src) + 1)
+            context = src[max(0, cut - rng.randrange(1, 2 * py.max_depth)):cut]
+        else:
+            context = [rng.randrange(vocab) for _ in range(rng.randrange(1, 12))]
+        pp, npos = py.match_positions(context), nt.match_positions(context)
+        assert len(pp) == len(npos)
+        params = dict(
+            max_tokens=rng.choice([1, 4, 16, 40]),
+            max_spec_factor=rng.choice([0.5, 1.0, 2.5, 8.0]),
+            max_spec_offset=rng.choice([-1.0, 0.0, 3.0, 8.0]),
+            min_token_prob=rng.choice([0.0, 0.05, 0.1, 0.3]),
+        )
+        for tree in (False, True):
+            same_draft(py.speculate(pp, tree=tree, **params), nt.speculate(npos, tree=tree, **params))
+        if len(pp) > 1:  # incremental matching agrees with matching from scratch
+            token = rng.randrange(vocab)
+            a, b = py.advance_positions(pp, token), nt.advance_positions(npos, token)
+            assert len(a) == len(b)
+            same_draft(py.speculate(a, 8, 2.0, 1.0, 0.1, True), nt.speculate(b, 8, 2.0, 1.0, 0.1, True))
+
+
+def run_global(seed: int, steps: int) -> None:
+    rng = random.Random(seed)
+    vocab = rng.choice([2, 3, 5, 20, 300])
+    depth = rng.choice([2, 4, 8, 16])
+    py, nt = SuffixTree(depth), native.SuffixTree(depth)
+    live: dict[int, list[int]] = {}
+    done: dict[int, list[int]] = {}
+    next_id = 0
+    motif = [rng.randrange(vocab) for _ in range(rng.randrange(1, 12))]
+
+    def tokens(n: int) -> list[int]:
+        out: list[int] = []
+        while len(out) < n:  # repeated motifs make shared, compressed and re-split edges
+            out.extend(motif if rng.random() < 0.3 else [rng.randrange(vocab)])
+        return out[:n]
+
+    for _ in range(steps):
+        op = rng.random()
+        if op < 0.35:
+            seq = tokens(rng.randrange(1, 40))
+            py.add(next_id, seq)
+            nt.add(next_id, seq)
+            done[next_id] = seq
+            next_id += 1
+        elif op < 0.6:
+            sid = rng.choice(list(live)) if live and rng.random() < 0.7 else next_id
+            if sid == next_id:
+                next_id += 1
+                live[sid] = []
+            new = tokens(rng.randrange(1, 6))
+            py.extend(sid, new)
+            nt.extend(sid, new)
+            live[sid].extend(new)
+        elif op < 0.7 and live:
+            sid = rng.choice(list(live))
+            py.finish(sid)
+            nt.finish(sid)
+            done[sid] = live.pop(sid)
+        elif done:
+            sid = rng.choice(list(done))
+            py.remove(sid)
+            nt.remove(sid)
+            del done[sid]
+        assert (py.num_nodes, py.num_tokens, py.version, py._order_entries) == (
+            nt.num_nodes, nt.num_tokens, nt.version, nt._order_entries
+        )
+        check_drafts(py, nt, rng, vocab, list(done.values()) + list(live.values()))
+    for sid, seq in {**done, **live}.items():
+        assert nt.tokens(sid) == seq == py.tokens(sid)
+
+
+def run_request(seed: int, length: int) -> None:
+    rng = random.Random(seed)
+    vocab = rng.choice([2, 4, 16, 1000])
+    depth = rng.choice([3, 8, 32])
+    py, nt = SuffixTree(depth), native.SuffixTree(depth)
+    seq: list[int] = []
+    while len(seq) < length:
+        chunk = seq[-rng.randrange(1, 30):] if seq and rng.random() < 0.4 else [rng.randrange(vocab)]
+        chunk = chunk[: rng.randrange(1, len(chunk) + 1)]
+        py.extend(0, chunk)
+        nt.extend(0, chunk)
+        seq.extend(chunk)
+        assert (py.num_nodes, py.num_tokens) == (nt.num_nodes, nt.num_tokens)
+        pp, npos = py.live_positions(0), nt.live_positions(0)
+        assert len(pp) == len(npos)
+        budget = rng.choice([1, 8, 40])
+        same_draft(py.recent_draft(pp, budget), nt.recent_draft(npos, budget))
+        same_draft(py.recent_draft(pp, budget, 3), nt.recent_draft(npos, budget, 3))
+        count = rng.choice([1, 3])
+        assert py.recent_alternatives(pp, budget, count) == nt.recent_alternatives(npos, budget, count)
+        same_draft(py.speculate(pp, budget, 8.0, 8.0, 0.05, True), nt.speculate(npos, budget, 8.0, 8.0, 0.05, True))
+        same_draft(py.speculate(pp, budget), nt.speculate(npos, budget))
+    check_drafts(py, nt, rng, vocab, [seq])
+
+
+@pytest.mark.parametrize("block", range(4))
+def test_global_trees_agree(block: int) -> None:
+    for seed in range(block * 60, block * 60 + 60):
+        run_global(seed, 60)
+
+
+@pytest.mark.parametrize("block", range(2))
+def test_request_trees_agree(block: int) -> None:
+    for seed in range(block * 60, block * 60 + 60):
+        run_request(seed, 150)
+
+
+def test_wide_nodes_and_count_orders_agree() -> None:
+    """Many short sequences over a large vocabulary: wide nodes, hash indexes, count orders on removal."""
+    rng = random.Random(7)
+    py, nt = SuffixTree(4), native.SuffixTree(4)
+    seqs = {}
+    for i in range(3000):
+        seqs[i] = [rng.randrange(400) for _ in range(rng.randrange(1, 8))]
+        py.add(i, seqs[i])
+        nt.add(i, seqs[i])
+        if i > 300 and rng.random() < 0.8:
+            victim = rng.choice(list(seqs))
+            py.remove(victim)
+            nt.remove(victim)
+            del seqs[victim]
+        if i % 50 == 0:
+            assert (py.num_nodes, py._order_entries) == (nt.num_nodes, nt._order_entries)
+            check_drafts(py, nt, rng, 400, list(seqs.values()))
+    assert py._order_entries > 0  # the count orders were exercised
+    assert (py.num_nodes, py._order_entries) == (nt.num_nodes, nt._order_entries)
+
+
+@pytest.mark.slow
+def test_trees_agree_at_length() -> None:
+    for seed in range(1000, 1600):
+        run_global(seed, 150)
+    for seed in range(2000, 2200):
+        run_request(seed, 600)
+
+
+# ------------------------------------------------------------------------------------------- caches
+
+
+def drive(cache: SuffixCache, rng: random.Random, rounds: int) -> list[tuple]:
+    """A random workload of requests, sessions and drafts; returns every draft's fields."""
+    out: list[tuple] = []
+    vocab = 12
+    convo: dict[int, list[int]] = {}
+    for r in range(rounds):
+        session = rng.randrange(4) if rng.random() < 0.6 else None
+        if session is not None and session in convo and rng.random() < 0.8:
+            prompt = convo[session] + [rng.randrange(vocab) for _ in range(rng.randrange(0, 20))]
+        else:
+            prompt = [rng.randrange(vocab) for _ in range(rng.randrange(1, 40))]
+        cache.start_request(r, prompt, session_id=session)
+        context = list(prompt)
+        for _ in range(rng.randrange(1, 6)):
+            tree = rng.random() < 0.5
+            d = cache.speculate(r, context, max_tokens=8, max_spec_factor=2.0, max_spec_offset=1.0, tree=tree)
+            out.append((d.token_ids, d.parents, d.probs, d.score, d.match_len, d.source))
+            for src, d in sorted(cache.speculate_sources(r, context, max_tokens=12).items()):
+                out.append((src, d.token_ids, d.parents, d.probs, d.score, d.match_len))
+            new = d.token_ids[: rng.randrange(0, 4)] + [rng.randrange(vocab)]
+            cache.extend(r, new)
+            context.extend(new)
+        cache.stop_request(r)
+        if session is not None:
+            convo[session] = context
+        out.append(tuple(cache.cached_requests))
+    return out
+
+
+def test_caches_agree_through_sessions_and_files(tmp_path) -> None:
+    for seed in range(6):
+        kw = dict(max_depth=12, max_cached_requests=15, max_memory_bytes=None, max_sessions=3)
+        py, nt = SuffixCache(tree_impl="python", **kw), SuffixCache(tree_impl="native", **kw)
+        assert suffix_impl.is_native(nt.global_tree) and not suffix_impl.is_native(py.global_tree)
+        assert drive(py, random.Random(seed), 40) == drive(nt, random.Random(seed), 40)
+        py.save(tmp_path / "py.bin")
+        nt.save(tmp_path / "nt.bin")
+        assert (tmp_path / "py.bin").read_bytes() == (tmp_path / "nt.bin").read_bytes()
+        # A file written under one implementation loads under the other and drafts the same.
+        a = SuffixCache.load(tmp_path / "py.bin", tree_impl="native")
+        b = SuffixCache.load(tmp_path / "nt.bin", tree_impl="python")
+        assert suffix_impl.is_native(a.global_tree) and not suffix_impl.is_native(b.global_tree)
+        assert a.global_tree.num_nodes == b.global_tree.num_nodes == py.global_tree.num_nodes
+        assert drive(a, random.Random(seed + 100), 15) == drive(b, random.Random(seed + 100), 15)
+
+
+def test_batched_drafts_equal_one_at_a_time() -> None:
+    rng = random.Random(3)
+    for impl in ("python", "native"):
+        cache = SuffixCache(max_depth=16, tree_impl=impl)
+        for r in range(30):
+            cache.start_request(("old", r), [1, 2, 3])
+            cache.extend(("old", r), [rng.randrange(6) for _ in range(30)])
+            cache.stop_request(("old", r))
+        contexts = {r: [rng.randrange(6) for _ in range(rng.randrange(1, 50))] for r in range(64)}
+        for r, ctx in contexts.items():
+            cache.start_request(r, ctx)
+        for tree in (False, True):
+            batch = cache.speculate_batch(list(contexts.items()), max_tokens=7, tree=tree)
+            for r, ctx in contexts.items():
+                one = cache.speculate(r, ctx, max_tokens=7, tree=tree)
+                same_draft(batch[r], one)
+        assert any(len(d) for d in batch) and {d.source for d in batch} >= {"suffix-global", "suffix-local"}
+
+
+# ----------------------------------------------------------------------------------------- fallback
+
+
+def test_fallback_to_python_with_one_warning(monkeypatch, caplog) -> None:
+    monkeypatch.delenv(suffix_impl.ENV_VAR, raising=False)
+    monkeypatch.setattr(suffix_impl, "NATIVE_MODULE", "thinkahead.token_spec._no_such_extension")
+    suffix_impl._reset()
+    try:
+        with caplog.at_level(logging.WARNING, logger=suffix_impl.__name__):
+            first, second = SuffixCache(), SuffixCache()
+        assert first.tree_impl == second.tree_impl == "python"
+        assert isinstance(first.global_tree, SuffixTree)
+        warnings = [r for r in caplog.records if r.name == suffix_impl.__name__]
+        assert len(warnings) == 1 and "_no_such_extension" in warnings[0].getMessage()
+        monkeypatch.setenv(suffix_impl.ENV_VAR, "native")
+        with pytest.raises(ValueError, match="THINKAHEAD_SUFFIX_IMPL=native.*_no_such_extension"):
+            SuffixCache()
+    finally:
+        suffix_impl._reset()
+
+
+def test_env_var_picks_the_implementation(monkeypatch) -> None:
+    monkeypatch.setenv(suffix_impl.ENV_VAR, "python")
+    assert SuffixCache().tree_impl == "python"
+    monkeypatch.setenv(suffix_impl.ENV_VAR, "native")
+    assert SuffixCache().tree_impl == "native"
+    assert not isinstance(SuffixCache().global_tree, SuffixTree)
+    monkeypatch.delenv(suffix_impl.ENV_VAR)
+    assert SuffixCache().tree_impl == "native"  # the default where the extension loads
+    monkeypatch.setenv(suffix_impl.ENV_VAR, "rust")
+    with pytest.raises(ValueError, match="THINKAHEAD_SUFFIX_IMPL must be one of"):
+        SuffixCache()
+
+
+def test_native_tree_is_three_times_smaller_and_invisible_to_the_gc() -> None:
+    import gc
+
+    rng = random.Random(5)
+    responses = [[rng.randrange(8000) if rng.random() < 0.5 else rng.randrange(50) for _ in range(120)]
+                 for _ in range(300)]
+    sizes = {}
+    for impl in ("python", "native"):
+        cache = SuffixCache(max_depth=32, max_cached_requests=-1, max_memory_bytes=None, tree_impl=impl)
+        gc.collect()
+        before = len(gc.get_objects())
+        for rid, response in enumerate(responses):
+            cache._insert(rid, response)
+        gc.collect()
+        sizes[impl] = (cache.estimated_bytes, len(gc.get_objects()) - before)
+    assert sizes["python"][0] >= 2.5 * sizes["native"][0], sizes  # 2.65x here: 8,000 distinct ids, 36k tokens
+    assert sizes["native"][1] < 50 < sizes["python"][1], sizes  # no Python object per node
+
+
+def test_sglang_corpus_drafts_a_whole_batch_in_one_call(monkeypatch) -> None:
+    from thinkahead.token_spec.backends.sglang_suffix import SuffixCorpus, SuffixSettings, draft_row
+
+    rng = random.Random(11)
+    cache = SuffixCache(max_depth=16, tree_impl="native")
+    for r in range(20):
+        cache._insert(("old", r), [rng.randrange(5) for _ in range(40)])
+    corpus = SuffixCorpus(cache, 6, SuffixSettings(max_depth=16, tree=True))
+    prompts = {f"r{i}": [rng.randrange(5) for _ in range(rng.randrange(2, 30))] for i in range(16)}
+    for rid, prompt in prompts.items():
+        corpus.begin(rid, prompt)
+    expected = []
+    for rid, prompt in prompts.items():  # one request at a time, as the plugin used to
+        draft = cache.speculate(rid, prompt, max_tokens=5, max_spec_factor=corpus.settings.max_spec_factor,
+                                max_spec_offset=corpus.settings.max_spec_offset,
+                                min_token_prob=corpus.settings.min_token_prob, tree=True)
+        expected.extend(draft_row(prompt[-1], draft, 6)[0])
+    calls = []
+    batch = cache.speculate_batch
+    monkeypatch.setattr(cache, "speculate", lambda *a, **k: pytest.fail("drafted one request at a time"))
+    monkeypatch.setattr(cache, "speculate_batch", lambda *a, **k: calls.append(len(a[0])) or batch(*a, **k))
+    tokens, _ = corpus.batch_get(list(prompts), [p[-4:] for p in prompts.values()], [len(p) for p in prompts.values()])
+    assert calls == [16] and tokens.tolist() == expected
+
+
+def test_the_sglang_plugins_tree_setting_does_not_pick_the_implementation(monkeypatch) -> None:
+    """THINKAHEAD_SUFFIX_TREE=0|1 is the SGLang plugin's tree-draft switch: caches still build on either tree."""
+    from thinkahead.token_spec.backends.sglang_suffix import SuffixSettings
+
+    monkeypatch.setenv("THINKAHEAD_SUFFIX_TREE", "0")
+    monkeypatch.setenv(suffix_impl.ENV_VAR, "python")
+    settings = SuffixSettings.from_env()
+    assert settings.tree is False and settings.build_cache().tree_impl == "python"
+    monkeypatch.setenv(suffix_impl.ENV_VAR, "native")
+    assert settings.build_cache().tree_impl == "native"

@@ -1,0 +1,35 @@
+"""Small draft helpers of `SuffixCache`: argument checks and the "alt" source's tree of chains."""
+
+from __future__ import annotations
+
+from thinkahead.token_spec.draft import Draft
+
+
+def _check_draft_args(max_tokens: int, max_spec_factor: float, min_token_prob: float) -> None:
+    if max_tokens < 0:
+        raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+    if not 0.0 <= min_token_prob <= 1.0:
+        raise ValueError(f"min_token_prob must be in [0, 1], got {min_token_prob}")
+    if max_spec_factor < 0:
+        raise ValueError(f"max_spec_factor must be >= 0, got {max_spec_factor}")
+
+
+def _tree_of_chains(chains: list[tuple[int, list[int]]], source: str) -> Draft:
+    """One draft tree holding every chain (shared prefixes merged); match_len is the longest chain's match."""
+    index: dict[tuple[int, int], int] = {}
+    tokens: list[int] = []
+    parents: list[int] = []
+    for _, chain in chains:
+        node = -1
+        for token in chain:
+            nxt = index.get((node, token))
+            if nxt is None:
+                nxt = index[(node, token)] = len(tokens)
+                tokens.append(token)
+                parents.append(node)
+            node = nxt
+    probs = [1.0] * len(tokens)
+    match_len = max((m for m, _ in chains), default=0)
+    return Draft(
+        token_ids=tokens, parents=parents, probs=probs, score=float(len(tokens)), match_len=match_len, source=source
+    )
