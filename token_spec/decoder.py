@@ -12,7 +12,7 @@ not bit-identical); sampled output follows the target distribution.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Sequence
+from typing import Any, Callable, Hashable, Sequence
 import itertools
 import time
 
@@ -126,6 +126,7 @@ class SpeculativeDecoder:
         request_id: Hashable | None = None,
         stop_strings: Sequence[str] = (),
         session_id: Hashable | None = None,
+        on_tokens: Callable[[list[int]], None] | None = None,
     ) -> GenerationResult:
         """Continue `prompt_ids` by up to `max_new_tokens` tokens.
 
@@ -135,6 +136,11 @@ class SpeculativeDecoder:
         Generation ends at a stop token (kept in `token_ids`) or when the decoded output contains
         one of `stop_strings`; the text then ends right before the stop string (OpenAI and SGLang
         semantics) and `token_ids` end with the token that completed it.
+
+        `on_tokens(new_ids)` is called after each round with the tokens it committed (after the stop
+        token, stop string and length cuts: what it is given is always a prefix of the final
+        `token_ids`), for streaming. To stop the generation early it raises; the decoder releases its
+        state and the exception propagates.
         """
         gen = self._new_generation(prompt_ids, max_new_tokens, sampling, stop_token_ids, seed, request_id,
                                    stop_strings)
@@ -147,6 +153,8 @@ class SpeculativeDecoder:
                 self._learn(gen, rnd)
                 self._check_stop_string(gen, rnd)
                 self._commit(gen, rnd)
+                if on_tokens is not None and rnd.tokens:
+                    on_tokens(list(rnd.tokens))
         finally:
             self._release(gen)
         return self._result(gen)

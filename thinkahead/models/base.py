@@ -9,7 +9,7 @@ a score from the logprobs of digit tokens in one forward pass).
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import asdict, dataclass, field
@@ -116,6 +116,17 @@ class TokenLogprob:
 
 
 @dataclass(slots=True)
+class TextDelta:
+    """One piece of a streamed generation (`LanguageModel.stream`): new text, the content tokens it came
+    from, and their scores when the stream was asked for logprobs. The pieces' texts concatenate to
+    the final `Completion.text` exactly."""
+
+    text: str
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass(slots=True)
 class CallScope:
     """One model call as the layers under its caller see it (open one with `model_call`).
 
@@ -158,6 +169,36 @@ def current_call() -> CallScope | None:
     return _CURRENT_CALL.get()
 
 
+@dataclass(slots=True)
+class FirstCompletion:
+    """The first completion a backend returned inside `observe_first_completion` (None until then)."""
+
+    completion: Completion | None = None
+
+
+_FIRST: ContextVar[FirstCompletion | None] = ContextVar("thinkahead_first_completion", default=None)
+
+
+@contextmanager
+def observe_first_completion() -> Iterator[FirstCompletion]:
+    """Note the first completion that any backend returns to this task or a task it starts (the server
+    reads how much of a workflow's prompt its first internal call found cached)."""
+    holder = FirstCompletion()
+    token = _FIRST.set(holder)
+    try:
+        yield holder
+    finally:
+        _FIRST.reset(token)
+
+
+def observed(completion: Completion) -> Completion:
+    """What a backend's `generate` returns, noted by an enclosing `observe_first_completion`."""
+    holder = _FIRST.get()
+    if holder is not None and holder.completion is None:
+        holder.completion = completion
+    return completion
+
+
 class LanguageModel(abc.ABC):
     """A model the orchestrator can call. Subclasses implement the two async methods."""
 
@@ -170,6 +211,31 @@ class LanguageModel(abc.ABC):
     @abc.abstractmethod
     async def next_token_logprobs(self, prompt: str, top_k: int = 20) -> dict[str, float]:
         """Log-probabilities of the `top_k` most likely next tokens after `prompt` (raw text)."""
+
+    async def stream(self, request: GenerationRequest, *, top_logprobs: int | None = None
+                     ) -> AsyncIterator[TextDelta | Completion]:
+        """The generation as it is produced: `TextDelta`s, then the final `Completion`.
+
+        With `top_logprobs` (0 or more alternatives) each delta carries the scores of its tokens, as
+        `token_logprobs` gives them. The default generates the whole text and yields it once; a
+        backend that decodes token by token overrides it. Closing the iterator early cancels the
+        generation.
+        """
+        completion = await self.generate(request)
+        if completion.text or top_logprobs is not None:
+            scores = None
+            if top_logprobs is not None:
+                scores = await self._completion_logprobs(request, completion, top_logprobs)
+            yield TextDelta(completion.text, content_ids(self, completion), scores)
+        yield completion
+
+    async def _completion_logprobs(self, request: GenerationRequest, completion: Completion,
+                                   top_k: int) -> list[TokenLogprob]:
+        ids = content_ids(self, completion)
+        if not ids:
+            return []
+        prompt_ids = self.encode(prompt_text(self, request))
+        return await self.token_logprobs(prompt_ids + ids, len(prompt_ids), top_k)
 
     async def continuation_logprobs(self, prompt: str, continuation: str) -> list[float]:
         """Log-probability of each token of `continuation` after `prompt` (likelihood judges)."""
@@ -207,6 +273,14 @@ class LanguageModel(abc.ABC):
 
     async def aclose(self) -> None:
         """Release connections or memory; the default holds nothing."""
+
+
+def content_ids(model: LanguageModel, completion: Completion) -> list[int]:
+    """The completion's token ids less a final end-of-turn token or token that completed a stop string."""
+    ids = list(completion.token_ids)
+    if ids and (ids[-1] in set(getattr(model, "stop_token_ids", ())) or completion.matched_stop is not None):
+        ids.pop()
+    return ids
 
 
 def check_messages(messages: list[dict[str, str]]) -> None:

@@ -10,15 +10,18 @@ work at once.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import math
 import os
 import threading
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from thinkahead.models.base import (
-    Completion, GenerationRequest, LanguageModel, TokenLogprob, TokenScore, encode_prompt, prompt_text,
-    render_chat,
+    Completion, GenerationRequest, LanguageModel, TextDelta, TokenLogprob, TokenScore, encode_prompt, observed,
+    prompt_text, render_chat,
 )
+from thinkahead.models.streaming import TextPiece, TextStream
 from thinkahead.token_spec.names import common_prefix_len
 from thinkahead.token_spec.recording import TokenRecorder
 
@@ -83,7 +86,45 @@ class LocalModel(LanguageModel):
 
     # ------------------------------------------------------------------ LanguageModel
     async def generate(self, request: GenerationRequest) -> Completion:
-        return await asyncio.to_thread(self.generate_sync, request)
+        cancel = threading.Event()
+        try:
+            return observed(await asyncio.to_thread(self.generate_sync, request, stop_if(cancel)))
+        except asyncio.CancelledError:
+            cancel.set()  # the worker thread stops at the end of its round and frees the model
+            raise
+
+    async def stream(self, request: GenerationRequest, *, top_logprobs: int | None = None
+                     ) -> AsyncIterator[TextDelta | Completion]:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[TextDelta | Completion | BaseException] = asyncio.Queue()
+        cancel = threading.Event()
+
+        def put(item: TextDelta | Completion | BaseException) -> None:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # the loop is gone: nobody is reading any more
+                cancel.set()
+
+        def work() -> None:
+            try:
+                put(self.stream_sync(request, put, cancel, top_logprobs))
+            except BaseException as exc:  # noqa: BLE001 - handed to the reader
+                put(exc)
+
+        loop.run_in_executor(None, contextvars.copy_context().run, work)
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    if isinstance(item, GenerationStopped):
+                        raise asyncio.CancelledError()
+                    raise item
+                if isinstance(item, Completion):
+                    yield observed(item)
+                    return
+                yield item
+        finally:
+            cancel.set()
 
     async def next_token_logprobs(self, prompt: str, top_k: int = 20) -> dict[str, float]:
         return await asyncio.to_thread(self.next_token_logprobs_sync, prompt, top_k)
@@ -104,10 +145,44 @@ class LocalModel(LanguageModel):
         return len(self.encode(text))
 
     # ------------------------------------------------------------------ sync implementations
-    def generate_sync(self, request: GenerationRequest) -> Completion:
+    def generate_sync(self, request: GenerationRequest,
+                      on_tokens: Callable[[list[int]], None] | None = None) -> Completion:
+        """The generation; `on_tokens` sees each round's committed tokens (it may raise to stop)."""
+        return self._generate_ids(self.encode(prompt_text(self, request)), request, on_tokens)
+
+    def stream_sync(self, request: GenerationRequest, put: Callable[[TextDelta], None], cancel: threading.Event,
+                    top_logprobs: int | None = None) -> Completion:
+        """The generation, each piece of its text handed to `put` as it is decoded (see `stream`)."""
+        prompt_ids = self.encode(prompt_text(self, request))
+        text = TextStream(lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True), request.stop,
+                          frozenset(self.stop_token_ids))
+        scorer = _Scorer(self, prompt_ids, text.ids, top_logprobs) if top_logprobs is not None else None
+
+        def send(piece: TextPiece | None) -> None:
+            if piece is not None:
+                put(TextDelta(piece.text, piece.token_ids, None if scorer is None else scorer.score(piece.token_ids)))
+
+        def on_tokens(ids: list[int]) -> None:
+            if cancel.is_set():
+                raise GenerationStopped()
+            send(text.push(ids))
+
+        try:
+            completion = self._generate_ids(prompt_ids, request, on_tokens)
+            if scorer is None:
+                send(text.finish(completion.text))
+            else:
+                with self._lock:
+                    send(text.finish(completion.text))
+        finally:
+            if scorer is not None:
+                scorer.close()
+        return completion
+
+    def _generate_ids(self, ids: list[int], request: GenerationRequest,
+                      on_tokens: Callable[[list[int]], None] | None) -> Completion:
         from thinkahead.token_spec.verify import SamplingParams
 
-        ids = self.encode(prompt_text(self, request))
         decoder = self._speculative if request.speculative else self._plain
         sampling = SamplingParams(temperature=request.temperature, top_p=request.top_p)
         with self._lock:
@@ -120,6 +195,7 @@ class LocalModel(LanguageModel):
                 request_id=request.request_id,
                 stop_strings=request.stop,
                 session_id=request.session_id,
+                on_tokens=on_tokens,
             )
             if self.recorder is not None:
                 self.recorder.record(self.name, request.session_id, ids, result.token_ids)
@@ -189,15 +265,18 @@ class LocalModel(LanguageModel):
 
     def token_logprobs_sync(self, token_ids: list[int], start: int, top_k: int = 0) -> list[TokenLogprob]:
         """`token_ids[start:]` scored after the tokens before each, in one forward (as `continuation_logprobs`)."""
-        import torch
-
         ids = [int(t) for t in token_ids]
         if not 0 < start < len(ids) or top_k < 0:
             raise ValueError(f"token_logprobs needs 0 < start < len(token_ids) and top_k >= 0, got {start}, {top_k}")
         chosen, logprobs = self._rows(ids, start)
+        return self._scored(ids[start:], chosen, logprobs, top_k)
+
+    def _scored(self, ids: list[int], chosen: Any, logprobs: Any, top_k: int) -> list[TokenLogprob]:
+        import torch
+
         top = torch.topk(logprobs, min(top_k, logprobs.shape[-1])) if top_k else None
         out = []
-        for i, (t, lp) in enumerate(zip(ids[start:], chosen.tolist())):
+        for i, (t, lp) in enumerate(zip(ids, chosen.tolist())):
             alts = [] if top is None else [(int(a), self.tokenizer.decode([int(a)]), float(v))
                                            for v, a in zip(top.values[i].tolist(), top.indices[i].tolist())]
             out.append(TokenLogprob(t, self.tokenizer.decode([t]), float(lp), alts))
@@ -240,3 +319,50 @@ class LocalModel(LanguageModel):
         stops.update(vocab[t] for t in TURN_END_TOKENS if t in vocab)
         return sorted(stops)
 
+
+
+class GenerationStopped(Exception):
+    """Raised inside a decoder's round callback to stop a generation nobody waits for any more."""
+
+
+def stop_if(cancel: threading.Event) -> Callable[[list[int]], None]:
+    """A round callback that stops the decoder once `cancel` is set."""
+    def check(_ids: list[int]) -> None:
+        if cancel.is_set():
+            raise GenerationStopped()
+    return check
+
+
+class _Scorer:
+    """Scores a streamed generation's tokens as they come, on a KV session of its own (the numbers
+    `token_logprobs` gives for the same ids, one forward over each piece's tokens). Runs inside the
+    generation, under the model's lock."""
+
+    def __init__(self, model: LocalModel, prompt_ids: list[int], output: list[int], top_k: int) -> None:
+        self.model, self.prompt, self.output, self.top_k = model, prompt_ids, output, top_k
+        self.session: Any = None
+        self.end = len(prompt_ids)  # tokens scored so far, the prompt counted as scored
+
+    def score(self, ids: list[int]) -> list[TokenLogprob]:
+        import torch
+
+        if not ids:
+            return []
+        model, seq = self.model, self.prompt + self.output
+        start, end = self.end, self.end + len(ids)
+        if seq[start:end] != ids:
+            raise ValueError("the scored tokens must follow the ones scored before")
+        if self.session is None:
+            self.session, _ = model.prefix_pool.acquire(seq[:start])
+        feed = seq[self.session.length : end - 1]
+        logits = model.engine.forward(self.session, feed)[len(feed) - len(ids):]
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        chosen = logprobs.gather(1, torch.tensor(ids, dtype=torch.long)[:, None])[:, 0]
+        self.end = end
+        return model._scored(ids, chosen, logprobs, self.top_k)
+
+    def close(self) -> None:
+        if self.session is not None:
+            seq = (self.prompt + self.output)[: self.session.length]
+            self.model.prefix_pool.release(self.session, seq)
+            self.session = None

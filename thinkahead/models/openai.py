@@ -21,6 +21,7 @@ from thinkahead.models.base import (
     Completion,
     GenerationRequest,
     LanguageModel,
+    observed,
     prompt_text,
     render_chat,
     render_plain,
@@ -115,7 +116,7 @@ class OpenAIModel(LanguageModel):
         usage = reply.get("usage") if isinstance(reply.get("usage"), dict) else {}
         details = usage.get("prompt_tokens_details")
         cached = details.get("cached_tokens") if isinstance(details, dict) else None
-        return Completion(
+        return observed(Completion(
             text=text,
             finish_reason=finish,
             matched_stop=matched_stop,
@@ -124,7 +125,7 @@ class OpenAIModel(LanguageModel):
             cached_tokens=_int(cached, 0),
             time_s=elapsed,
             model=str(reply.get("model") or self.model),
-        )
+        ))
 
     async def next_token_logprobs(self, prompt: str, top_k: int = 20) -> dict[str, float]:
         if not isinstance(prompt, str):

@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from thinkahead.models.base import Completion, GenerationRequest, LanguageModel, prompt_text
+from thinkahead.models.base import Completion, GenerationRequest, LanguageModel, observed, prompt_text
 
 Responder = Callable[[str, GenerationRequest], str]
 Scorer = Callable[[str], dict[str, float]]
@@ -62,10 +62,10 @@ class ScriptedModel(LanguageModel):
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
         n = self.count_tokens(text)
-        return Completion(
+        return observed(Completion(
             text=text, finish_reason=finish, matched_stop=matched, prompt_tokens=self.count_tokens(prompt),
             completion_tokens=n, time_s=self.delay_s, model=self.name,
-        )
+        ))
 
     async def next_token_logprobs(self, prompt: str, top_k: int = 20) -> dict[str, float]:
         if callable(self.logprobs):

@@ -35,8 +35,8 @@ from typing import Any
 from urllib.parse import urlparse
 
 from thinkahead.models.base import (
-    Completion, GenerationRequest, LanguageModel, TokenScore, encode_prompt, prompt_text, render_chat, render_plain,
-    resolve_tokenizer,
+    Completion, GenerationRequest, LanguageModel, TokenScore, encode_prompt, observed, prompt_text, render_chat,
+    render_plain, resolve_tokenizer,
 )
 from thinkahead.models.http import DEFAULT_CALL_TIMEOUT_S, HttpClient, ModelServerError, bearer_headers
 from thinkahead.token_spec.stats import SPEC_COUNTERS, SpecStats
@@ -133,7 +133,7 @@ class SGLangModel(LanguageModel):
             reply, first_token_s = await self._generate_streamed(payload, start)
         else:
             reply, first_token_s = await self.client.post_json("/generate", payload), 0.0
-        return self._completion(reply, prompt, time.perf_counter() - start, first_token_s)
+        return observed(self._completion(reply, prompt, time.perf_counter() - start, first_token_s))
 
     async def next_token_logprobs(self, prompt: str, top_k: int = 20) -> dict[str, float]:
         if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:

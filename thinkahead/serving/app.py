@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from thinkahead.config import OrchestratorConfig
-from thinkahead.models.base import LanguageModel
+from thinkahead.models.base import LanguageModel, observe_first_completion
 from thinkahead.orchestrator.trace import RunResult
 from thinkahead.sdk import Orchestrator
 from thinkahead.serving.asgi import (
@@ -219,7 +219,7 @@ class ChatServer:
     def _count(self, usage: dict[str, Any], spent: Any) -> None:
         self.metrics.tokens(usage["prompt_tokens"], usage["completion_tokens"],
                             usage["prompt_tokens_details"]["cached_tokens"])
-        self.metrics.speculation({**spent.spec, "completion_tokens": spent.completion_tokens})
+        self.metrics.speculation({**spent.spec.counters(), "completion_tokens": spent.completion_tokens})
 
     async def workflow_chat(self, req: ChatRequest, out: Responder) -> None:
         """Run the request's workflow and answer it, whole or as a stream."""
@@ -245,7 +245,8 @@ class ChatServer:
         inputs = {"question": question, **({"transcript": transcript} if transcript else {})}
         if not req.stream:
             async with self.admission.slot():
-                result = await orch.run(graph, inputs, id=reply.id, session=req.session_id)
+                with observe_first_completion() as reply.first_call:
+                    result = await orch.run(graph, inputs, id=reply.id, session=req.session_id)
             self._observe(result)
             if (error := run_error(result)) is not None:
                 raise error
@@ -255,15 +256,16 @@ class ChatServer:
             await out.start_events()
             await out.event(reply.chunk({"role": "assistant", "content": ""}))
             streamed = False
-            async for item in orch.stream(graph, inputs, id=reply.id, session=req.session_id):
-                if isinstance(item, RunResult):
-                    self._observe(item)
-                    for event in reply.final_chunks(item, streamed):
-                        await out.event(event)
-                elif item.kind == "step" and item.data.get("text") and item.data.get("kind") != "final":
-                    text = item.data["text"]
-                    await out.event(reply.chunk({"reasoning_content": text, "reasoning": text}))
-                    streamed = True
+            with observe_first_completion() as reply.first_call:
+                async for item in orch.stream(graph, inputs, id=reply.id, session=req.session_id):
+                    if isinstance(item, RunResult):
+                        self._observe(item)
+                        for event in reply.final_chunks(item, streamed):
+                            await out.event(event)
+                    elif item.kind == "step" and item.data.get("text") and item.data.get("kind") != "final":
+                        text = item.data["text"]
+                        await out.event(reply.chunk({"reasoning_content": text, "reasoning": text}))
+                        streamed = True
         await out.done()
 
     def _observe(self, result: RunResult) -> None:

@@ -7,18 +7,21 @@ decodes without speculation, so that a seed gives the same text every time), `st
 `top_logprobs` (models that can score tokens), `response_format` (`json_object`, `json_schema`) and
 tools (see `thinkahead.serving.tools`). A reply that breaks its tool-call or JSON format is retried
 with the problem named (`repair_attempts` times), then answered with an error: never passed on as
-if it were valid. Streaming sends the role at once and the reply when it is generated, in OpenAI's
-chunk shapes (tool calls as `tool_calls` deltas).
+if it were valid. Streaming sends the role at once, then the text as the model decodes it (round by
+round, with each piece's logprobs), in OpenAI's chunk shapes; a reply that must be whole before it
+can be checked (a JSON `response_format`, or tools) is sent when it is generated (tool calls as
+`tool_calls` deltas).
 """
 
 from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from thinkahead.models.base import Completion, GenerationRequest, LanguageModel
+from thinkahead.models.base import Completion, GenerationRequest, LanguageModel, TextDelta, TokenLogprob
 from thinkahead.serving.asgi import RequestError, Responder, unsupported
 from thinkahead.serving.limits import check_context
 from thinkahead.serving.schemas import ChatRequest, Message, NamedToolChoice
@@ -26,15 +29,9 @@ from thinkahead.serving.tools import (
     OutputError, ParsedCall, forced_prefix, json_instruction, parse_json_output, parse_tool_calls, render_prompt,
     schema_problem, tool_dicts,
 )
+from thinkahead.token_spec.stats import SPEC_COUNTERS, SpecStats
 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default when a request gives none
-SPEC_KEYS = ("spec_verify_ct", "spec_num_proposed_drafts", "spec_num_correct_drafts")
-
-
-def spec_counter(spec: Any, key: str) -> float:
-    """One speculation counter of a completion's `spec` (a `SpecStats`, or a dict from older backends)."""
-    value = spec.get(key, 0) if isinstance(spec, dict) else getattr(spec, key, 0)
-    return float(value or 0)
 
 
 @dataclass(slots=True)
@@ -56,22 +53,20 @@ class Spent:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
-    spec: dict[str, float] = field(default_factory=dict)
+    spec: SpecStats = field(default_factory=SpecStats)
 
     def add(self, c: Completion) -> None:
         self.calls += 1
         self.prompt_tokens += c.prompt_tokens
         self.completion_tokens += c.completion_tokens
         self.cached_tokens += c.cached_tokens
-        for key in SPEC_KEYS:
-            self.spec[key] = self.spec.get(key, 0) + spec_counter(c.spec, key)
+        self.spec += c.spec
 
     def to_dict(self) -> dict[str, Any]:
-        verify = self.spec.get("spec_verify_ct", 0)
         return {"model_calls": self.calls, "prompt_tokens": self.prompt_tokens,
                 "completion_tokens": self.completion_tokens, "cached_tokens": self.cached_tokens,
-                "spec": dict(self.spec),
-                "spec_accept_length": round(self.completion_tokens / verify, 4) if verify else None}
+                "spec": {k: getattr(self.spec, k) for k in SPEC_COUNTERS},
+                "spec_accept_length": round(self.spec.spec_accept_length, 4) if self.spec.speculated else None}
 
 
 def reproducible_speculation(seed: int | None, temperature: float) -> bool:
@@ -137,16 +132,39 @@ class ChatJob:
     async def run(self) -> list[Choice]:
         return [await self.choice(i) for i in range(self.req.n)]
 
-    async def _generate(self, prompt: str, index: int) -> Completion:
+    @property
+    def streams_text(self) -> bool:
+        """Whether a streamed reply goes out as it is decoded: not when it must be whole to be checked
+        (a JSON format, tools)."""
+        return self.fmt is None and not self.rendered_tools
+
+    def _request(self, prompt: str, index: int) -> GenerationRequest:
         req = self.req
         temperature = DEFAULT_TEMPERATURE if req.temperature is None else req.temperature
-        completion = await self.model.generate(GenerationRequest(
+        return GenerationRequest(
             prompt=prompt, max_new_tokens=self.max_new, temperature=temperature,
             top_p=1.0 if req.top_p is None else req.top_p, stop=req.stops,
             seed=None if req.seed is None else req.seed + index, session_id=req.session_id,
-            speculative=reproducible_speculation(req.seed, temperature), request_id=f"chat-{uuid.uuid4().hex[:12]}"))
+            speculative=reproducible_speculation(req.seed, temperature), request_id=f"chat-{uuid.uuid4().hex[:12]}")
+
+    async def _generate(self, prompt: str, index: int) -> Completion:
+        completion = await self.model.generate(self._request(prompt, index))
         self.spent.add(completion)
         return completion
+
+    async def stream_choice(self, index: int) -> AsyncIterator[TextDelta | Choice]:
+        """Choice `index` as it is decoded (`streams_text` requests): its text deltas, then the `Choice`."""
+        top = (self.req.top_logprobs or 0) if self.req.logprobs else None
+        content: list[str] = []
+        async for item in self.model.stream(self._request(self.prompt, index), top_logprobs=top):
+            if isinstance(item, TextDelta):
+                content.append(item.text)
+                yield item
+                continue
+            self.spent.add(item)
+            if index == 0:
+                self.cached_tokens = item.cached_tokens
+            yield Choice(index, "".join(content), [], item.finish_reason, None, item.completion_tokens)
 
     async def choice(self, index: int) -> Choice:
         prompt, attempts = self.prompt, 0
@@ -210,8 +228,13 @@ class ChatJob:
         if not ids:
             return []
         prompt_ids = self.model.encode(prompt)
-        scored = await self.model.token_logprobs(prompt_ids + ids, len(prompt_ids), self.req.top_logprobs or 0)
-        return [token_entry(t.text, t.logprob, [token_entry(a, lp) for _, a, lp in t.top]) for t in scored]
+        return logprob_entries(await self.model.token_logprobs(prompt_ids + ids, len(prompt_ids),
+                                                               self.req.top_logprobs or 0))
+
+
+def logprob_entries(scored: list[TokenLogprob]) -> list[dict[str, Any]]:
+    """OpenAI's `logprobs.content` entries of scored tokens."""
+    return [token_entry(t.text, t.logprob, [token_entry(a, lp) for _, a, lp in t.top]) for t in scored]
 
 
 def token_entry(text: str, logprob: float, top: list[dict[str, Any]] | None = None) -> dict[str, Any]:
@@ -261,6 +284,15 @@ async def answer_chat(job: ChatJob, out: Responder, model_name: str) -> dict[str
         await out.event(chunk(i, {"role": "assistant", "content": ""}))
     choices = []
     for i in range(req.n):
+        if job.streams_text:
+            async for item in job.stream_choice(i):
+                if isinstance(item, Choice):
+                    choices.append(item)
+                    await out.event(chunk(i, {}, item.finish_reason))
+                elif item.text or item.logprobs:
+                    await out.event(chunk(i, {"content": item.text}, logprobs=None if item.logprobs is None
+                                          else {"content": logprob_entries(item.logprobs)}))
+            continue
         c = await job.choice(i)
         choices.append(c)
         if c.content:

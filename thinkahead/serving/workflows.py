@@ -18,6 +18,7 @@ import time
 import uuid
 from typing import Any
 
+from thinkahead.models.base import FirstCompletion
 from thinkahead.orchestrator.trace import RunResult, jsonable
 from thinkahead.serving.asgi import RequestError, unsupported
 from thinkahead.serving.schemas import ChatRequest, Message, ToolDef
@@ -172,6 +173,13 @@ class WorkflowReply:
         self.created = int(time.time())
         self.prompt_tokens, self.count_tokens = prompt_tokens, count_tokens
         self.tools = {t.function.name: t for t in tools or []}
+        self.first_call = FirstCompletion()  # the run's first internal generation (`observe_first_completion`)
+
+    @property
+    def cached_tokens(self) -> int:
+        """Tokens of the request's own prompt that the run's first generation found in the prefix cache."""
+        first = self.first_call.completion
+        return 0 if first is None else min(first.cached_tokens, self.prompt_tokens)
 
     def chunk(self, delta: dict[str, Any], finish_reason: str | None = None, **extra: Any) -> dict[str, Any]:
         return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
@@ -224,7 +232,8 @@ class WorkflowReply:
         completion = int(result.cost.get("total_tokens", 0))
         reasoning = max(0, completion - self.count_tokens(content)) if content else completion
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
-                "total_tokens": self.prompt_tokens + completion, "prompt_tokens_details": {"cached_tokens": 0},
+                "total_tokens": self.prompt_tokens + completion,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
                 "completion_tokens_details": {"reasoning_tokens": reasoning}}
 
     def summary(self, result: RunResult) -> dict[str, Any]:
