@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal, get_args
+from typing import Any
 
-from thinkahead.models.base import LanguageModel
+from thinkahead.models.base import TIERS, LanguageModel, Tier  # Tier: who writes a step
 from thinkahead.step_spec.segment import SegmentConfig
 from thinkahead.token_spec.stats import SpecStats
 
-Tier = Literal["small", "large"]  # who writes a step: the drafting model or the judging one
-TIERS: tuple[Tier, ...] = get_args(Tier)
+__all__ = ["TIERS", "StepContext", "StepOutcome", "Tier", "check_tier"]
 
 
 @dataclass(slots=True)

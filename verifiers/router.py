@@ -26,13 +26,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 import json
 import math
 import os
 
 import numpy as np
 
+from thinkahead.models.base import Tier
 from thinkahead.verifiers.router_features import FEATURE_NAMES, RouterFeatures, is_number
 
 __all__ = [
@@ -43,7 +44,6 @@ __all__ = [
     "load_router",
 ]
 
-Tier = Literal["small", "large"]
 
 ROUTER_FILE_KIND = "logistic-router"
 ROUTER_FILE_VERSION = 1

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
 from thinkahead.token_spec.stats import SpecStats
 
@@ -197,6 +197,10 @@ def observed(completion: Completion) -> Completion:
     if holder is not None and holder.completion is None:
         holder.completion = completion
     return completion
+
+
+Tier = Literal["small", "large"]  # a model's role in a run: the drafting model or the judging one
+TIERS: tuple[Tier, ...] = get_args(Tier)
 
 
 class LanguageModel(abc.ABC):
