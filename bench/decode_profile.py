@@ -11,6 +11,7 @@ and the same for a verify forward of k tokens, so the cost curve of speculation 
 
     python bench/decode_profile.py                      # 1.5B int8, 32 steps
     python bench/decode_profile.py --model qwen2.5-coder-0.5b --steps 64
+    python bench/decode_profile.py --threads 1            # a loaded machine: see --help
 
 Writes bench/results/decode_profile.{json,md}.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
@@ -36,8 +38,9 @@ from thinkahead.token_spec.backends.hf import HFEngine  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 KINDS = (  # (kind, substrings of a profiler op name), first match wins
-    ("int8 linear (fbgemm)", ("quantized::linear_dynamic", "quantized::linear")),
-    ("activation scaling (ours)", ("aten::amax", "aten::div", "aten::clamp_min", "aten::abs")),
+    ("int8 linear (fbgemm)", ("quantized::linear_with_input_q_dq", "quantized::linear_dynamic", "quantized::linear")),
+    ("activation scaling (ours)", ("aten::amax", "aten::div", "aten::clamp_min", "aten::abs",
+                                   "aten::linalg_vector_norm")),
     ("attention (float64 sdpa)", ("aten::_scaled_dot_product", "aten::scaled_dot_product", "aten::_to_copy",
                                   "aten::baddbmm", "aten::bmm", "aten::softmax", "aten::_softmax", "aten::matmul")),
     ("concatenation (KV append, anchor row)", ("aten::cat",)),
@@ -104,8 +107,13 @@ def main() -> None:
     ap.add_argument("--dtype", default="int8", choices=DTYPES)
     ap.add_argument("--steps", type=int, default=32, help="decode steps to time and profile")
     ap.add_argument("--verify", default="1,2,4,8,16", help="verify widths k to time")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch intra-op threads (0: torch's default). On a loaded machine 2 threads can be far "
+                         "slower than 1: every parallel region waits for a descheduled worker")
     ap.add_argument("--out", default=str(RESULTS / "decode_profile"))
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     t0 = time.perf_counter()
     model, tokenizer = load_causal_lm(args.model, args.dtype)
@@ -144,6 +152,7 @@ def main() -> None:
         "meta": {"model": args.model, "dtype": args.dtype, "threads": torch.get_num_threads(),
                  "cpu_flags": cpu_flags(), "machine": platform.machine(), "torch": torch.__version__,
                  "prompt_tokens": len(prompt), "load_s": round(load_s, 1),
+                 "machine_load_average_1m": round(os.getloadavg()[0], 2),
                  "command": "python bench/decode_profile.py " + " ".join(sys.argv[1:])},
         "decode_step_ms_p50": round(median(step_ms), 2),
         "decode_tok_per_s": round(1000 / median(step_ms), 2),
@@ -156,7 +165,8 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=1))
     lines = [f"`{result['meta']['command']}`: {args.model} {args.dtype}, {result['meta']['threads']} threads, "
-             f"CPU flags {result['meta']['cpu_flags']}, prompt {len(prompt)} tokens.", "",
+             f"CPU flags {result['meta']['cpu_flags']}, prompt {len(prompt)} tokens, machine load average "
+             f"{result['meta']['machine_load_average_1m']} at the end.", "",
              f"Decode step p50 {result['decode_step_ms_p50']} ms ({result['decode_tok_per_s']} tok/s); "
              f"the bare transformers call {result['bare_model_call_ms_p50']} ms.", "",
              "| where (self CPU per decode step) | ms |", "|---|---:|"]

@@ -9,8 +9,9 @@ Why not `torch.ao.quantization.quantize_dynamic`: it quantizes activations with 
 tensor, so a token's logits depend on the other tokens of the same forward; a verification pass
 would not compute what one-token decoding computes, and speculative greedy output would drift from
 plain greedy. `RowwiseInt8Linear` gives every row its own scale: each row is divided by its absolute
-maximum, and one fixed anchor row `[1, -1, 0, ...]` pins fbgemm's per-tensor range to [-1, 1], so
-the quantization parameters never depend on the batch. Integer accumulation is exact, so a row's
+maximum and quantized with fixed parameters for the range [-1, 1] (those fbgemm's dynamic
+quantization would pick for it; the fp32-output kernel takes them as arguments), so the
+quantization parameters never depend on the batch. Integer accumulation is exact, so a row's
 output is bit-identical whether it is computed alone or among k others.
 
 Attention is the other shape-dependent piece: `quantize_int8` also switches the model to float64
@@ -27,6 +28,14 @@ import warnings
 from typing import Any
 
 import torch
+
+# fbgemm's int8 linear over float32 input quantized with given per-tensor parameters, float32 output
+# (None in a build without it; `quantize_int8` then refuses)
+_LINEAR_FP32_OUT = getattr(torch.ops.quantized, "linear_with_input_q_dq_qweight_dq_output_fp32", None)
+
+# The activation quantization parameters fbgemm's dynamic quantization picks for the range [-1, 1]
+# (7-bit, `reduce_range`): every row is scaled into that range, so these never depend on the batch.
+X_SCALE, X_ZERO_POINT = 2 / 127, 64
 
 
 class RowwiseInt8Linear(torch.nn.Module):
@@ -45,18 +54,20 @@ class RowwiseInt8Linear(torch.nn.Module):
             self._packed = torch.ops.quantized.linear_prepack(qweight, None)
         bias = linear.bias.detach().float() if linear.bias is not None else None
         self.register_buffer("bias", bias)
-        anchor = torch.zeros(1, self.in_features)
-        anchor[0, 0], anchor[0, 1 % self.in_features] = 1.0, -1.0
-        self.register_buffer("_anchor", anchor)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        rows = x.reshape(-1, self.in_features).float()
-        row_max = rows.abs().amax(1, keepdim=True).clamp_min(1e-30)
-        scaled = torch.cat([rows / row_max, self._anchor])
-        out = torch.ops.quantized.linear_dynamic(scaled, self._packed, True)[:-1] * row_max
+        rows = x.reshape(-1, self.in_features)
+        if rows.dtype != torch.float32:
+            rows = rows.float()
+        row_max = rows.abs().amax(1, keepdim=True).clamp_min_(1e-30)  # every scaled row lies in [-1, 1]
+        # fbgemm quantizes the scaled rows with the fixed (X_SCALE, X_ZERO_POINT), accumulates in
+        # int32 and dequantizes to float32: the same numbers as `linear_dynamic` over the rows plus
+        # an anchor row [1, -1, 0, ...] (which pinned its per-tensor range), without the extra row.
+        out = _LINEAR_FP32_OUT(rows / row_max, X_SCALE, X_ZERO_POINT, self._packed)
+        out.mul_(row_max)
         if self.bias is not None:
-            out = out + self.bias
+            out.add_(self.bias)
         return out.reshape(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -71,6 +82,8 @@ def quantize_int8(model: Any) -> Any:
     engines = torch.backends.quantized.supported_engines
     if "fbgemm" not in engines:
         raise ValueError(f"int8 needs PyTorch's fbgemm quantized engine (x86); this build has {engines}")
+    if _LINEAR_FP32_OUT is None:
+        raise ValueError(f"int8 needs quantized::linear_with_input_q_dq_qweight_dq_output_fp32 (torch {torch.__version__})")
     torch.backends.quantized.engine = "fbgemm"
     torch.nn.Module.float(model)  # transformers blocks `.float()` on GGUF-loaded models; the cast is plain torch
     for parent in list(model.modules()):

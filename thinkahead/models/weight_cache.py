@@ -10,8 +10,8 @@ Layout, under the folder of prepared models (`registry.default_cache_dir()`, `$T
 
 - ``model.safetensors``: every tensor of the converted model (parameters and buffers, persistent or
   not) by its module path; an int8 linear (`RowwiseInt8Linear`) as ``PATH.qweight`` (int8, per
-  output channel) and ``PATH.scales`` (float64) next to its ``PATH.bias`` and ``PATH._anchor``
-  buffers. The header's metadata lists the int8 linears, which names are parameters and tied aliases.
+  output channel) and ``PATH.scales`` (float64) next to its ``PATH.bias`` buffer. The header's
+  metadata lists the int8 linears, which names are parameters and tied aliases.
 - ``config.json``, ``generation_config.json`` and the tokenizer's files (``save_pretrained``).
 - ``manifest.json``, written last: the key and every file's size and sha256.
 
@@ -53,7 +53,7 @@ from thinkahead.models.registry import default_cache_dir
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1  # bump when the layout or the rebuild code changes
+FORMAT_VERSION = 2  # bump when the layout or the rebuild code changes
 ENV_SWITCH = "THINKAHEAD_WEIGHT_CACHE"  # "0" / "false" / "off" / "no" disables the cache
 CACHE_DIRNAME = "weight-cache"
 MODEL_FILE = "model.safetensors"

@@ -24,7 +24,7 @@ from thinkahead.models.weight_cache import (
 
 _QWEIGHT, _SCALES = "qweight", "scales"
 _INT8_ATTRIBUTES = frozenset({"in_features", "out_features", "_packed"})
-_INT8_BUFFERS = frozenset({"bias", "_anchor"})
+_INT8_BUFFERS = frozenset({"bias"})
 
 
 def _type_name(module: Any) -> str:
@@ -165,8 +165,7 @@ def write_safetensors(path: Path, tensors: dict[str, Any], metadata: dict[str, s
 
 
 def _int8_module(qweight: Any, scales: Any) -> Any:
-    """An empty `RowwiseInt8Linear` of `qweight`'s shape; `_prepack` fills `_packed`, `_place` its
-    bias and anchor."""
+    """An empty `RowwiseInt8Linear` of `qweight`'s shape; `_prepack` fills `_packed`, `_place` its bias."""
     import torch
 
     from thinkahead.models.quantize import RowwiseInt8Linear
@@ -284,5 +283,5 @@ def _check_complete(model: Any, types: dict[str, str]) -> None:
         if tensor.device.type == "meta":
             raise CacheInvalid(f"{name} was not stored")
     for name, module in model.named_modules():
-        if isinstance(module, RowwiseInt8Linear) and (module._anchor is None or module._packed is None):
+        if isinstance(module, RowwiseInt8Linear) and module._packed is None:
             raise CacheInvalid(f"{name} is incomplete")
