@@ -26,6 +26,8 @@ import os
 import time
 from pathlib import Path
 
+from thinkahead.token_spec.names import common_prefix_len
+
 LLAMA_METHODS = ("llama-plain", "llama-prompt-lookup")
 PROMPT_LOOKUP_TOKENS = 10  # as transformers' prompt_lookup_num_tokens in bench/token_spec.py
 INSTALL_HINT = 'llama-cpp-python is not installed: CMAKE_ARGS="-DGGML_NATIVE=ON" pip install -e ".[llama]"'
@@ -74,7 +76,7 @@ class LlamaRunner:
     def generate(self, prompt_ids: list[int], max_new_tokens: int, session_id: str | None = None) -> tuple[list[int], dict]:
         """New token ids (ending with a stop token when one came) and the stats the bench reads."""
         start = time.perf_counter()
-        reused = _common_prefix(self.llm._input_ids.tolist(), prompt_ids)  # what llama.cpp keeps of its KV
+        reused = common_prefix_len(self.llm._input_ids.tolist(), prompt_ids)  # what llama.cpp keeps of its KV
         new: list[int] = []
         first_token_s = 0.0
         for token in self.llm.generate(prompt_ids, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0,
@@ -86,11 +88,3 @@ class LlamaRunner:
                 break
         return new, {"first_token_s": first_token_s, "cached_tokens": min(reused, len(prompt_ids) - 1)}
 
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n

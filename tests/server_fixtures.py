@@ -13,6 +13,7 @@ import uvicorn
 from thinkahead.models import ScriptedModel
 
 JUDGE_YES = [{"9": -0.05}]
+TINY_QUESTION = [{"role": "user", "content": "w5 w6 w7 w8"}]  # words the tiny random model's vocabulary holds
 STEPS = ["Multiply.\n\n", "So \\boxed{391}."]
 
 
@@ -57,3 +58,26 @@ def sse_payloads(response: httpx.Response):
             yield data if data == "[DONE]" else json.loads(data)
         else:
             assert line == "", f"unexpected line in the event stream: {line!r}"
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    """The tiny random model (tests/conftest.py) as a float32 `LocalModel` named "tiny"."""
+    from thinkahead.models.local import LocalModel
+
+    return LocalModel(str(tiny_model_dir), dtype="float32", name="tiny")
+
+
+@pytest.fixture
+def tiny_url(serve, tiny):
+    """A server on a loopback port whose small and large model are both `tiny`."""
+    from thinkahead.serving.openai_server import create_app
+
+    return serve(create_app(small=tiny, large=tiny))
+
+
+def openai_client(url: str):
+    """The real `openai` client for a server started by `serve`, without retries."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)

@@ -10,27 +10,13 @@ import httpx
 import openai
 import pytest
 
-from tests.server_fixtures import scripted_pair, serve  # noqa: F401 (fixture)
+from tests.server_fixtures import TINY_QUESTION, openai_client, scripted_pair, serve, tiny, tiny_url  # noqa: F401 (fixtures)
 from thinkahead.models import ScriptedModel
 from thinkahead.models.base import GenerationRequest
-from thinkahead.models.local import LocalModel
 from thinkahead.serving.openai_server import create_app
 
-QUESTION = [{"role": "user", "content": "w5 w6 w7 w8"}]
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_model_dir):
-    return LocalModel(str(tiny_model_dir), dtype="float32", name="tiny")
-
-
-@pytest.fixture
-def tiny_url(serve, tiny):
-    return serve(create_app(small=tiny, large=tiny))
-
-
-def client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+QUESTION = TINY_QUESTION
+client = openai_client
 
 
 def test_a_plain_model_generates_greedily_as_the_model_itself_and_max_tokens_is_a_hard_cap(tiny_url, tiny):

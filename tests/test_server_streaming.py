@@ -9,31 +9,19 @@ import json
 from dataclasses import dataclass
 
 import httpx
-import openai
 import pytest
 
-from tests.server_fixtures import JUDGE_YES, STEPS, chat, serve, sse_payloads  # noqa: F401 (fixture)
+from tests.server_fixtures import (  # noqa: F401 (fixtures)
+    JUDGE_YES, STEPS, TINY_QUESTION, chat, openai_client, serve, sse_payloads, tiny, tiny_url,
+)
 from tests.test_streaming import assert_stopped, slow_forwards
 from thinkahead.models import ScriptedModel
 from thinkahead.models.base import GenerationRequest
 from thinkahead.models.local import LocalModel
 from thinkahead.serving.openai_server import create_app
 
-QUESTION = [{"role": "user", "content": "w5 w6 w7 w8"}]
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_model_dir):
-    return LocalModel(str(tiny_model_dir), dtype="float32", name="tiny")
-
-
-@pytest.fixture
-def tiny_url(serve, tiny):
-    return serve(create_app(small=tiny, large=tiny))
-
-
-def client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+QUESTION = TINY_QUESTION
+client = openai_client
 
 
 def test_a_plain_model_streams_token_by_token_with_logprobs_as_the_whole_reply(tiny_url):
