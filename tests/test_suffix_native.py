@@ -288,7 +288,7 @@ def test_native_tree_is_three_times_smaller_and_invisible_to_the_gc() -> None:
             cache._insert(rid, response)
         gc.collect()
         sizes[impl] = (cache.estimated_bytes, len(gc.get_objects()) - before)
-    assert sizes["python"][0] >= 2.5 * sizes["native"][0], sizes  # 2.65x here: 8,000 distinct ids, 36k tokens
+    assert sizes["python"][0] >= 2.8 * sizes["native"][0], sizes  # 2.88x here: 8,000 distinct ids, 36k tokens
     assert sizes["native"][1] < 50 < sizes["python"][1], sizes  # no Python object per node
 
 

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Hashable, Sequence
+from typing import Any, Hashable, Sequence
 
+from thinkahead.token_spec import suffix_impl
 from thinkahead.token_spec.draft import Draft
 from thinkahead.token_spec.suffix_cache import SuffixCache
+from thinkahead.token_spec.suffix_drafts import _check_draft_args
 from thinkahead.token_spec.verify import SamplingParams, children_of
 
 COMBINED_SOURCES = ("recent", "alt", "local", "global")
@@ -45,6 +47,9 @@ class _CombinedRequest:
     key: tuple[str, Hashable]  # ("session", id) or ("request", rid): whose rates these are
     rates: dict[str, SourceRate]  # rate key -> estimate, shared by the requests of one session
     last: dict[str, Draft] = field(default_factory=dict)  # rate key -> that source's draft from the last proposal
+    # The native path keeps the drafts in C++ (`_suffix_native.Sources`) and maps rate key -> source index.
+    native: Any = None
+    native_keys: dict[str, int] = field(default_factory=dict)
 
 
 class CombinedDrafter:
@@ -109,6 +114,10 @@ class CombinedDrafter:
         self.pooled: dict[str, SourceRate] = {}  # rate key -> every observation; the prior for new sessions
         self._live: dict[Hashable, _CombinedRequest] = {}
         self._rates: OrderedDict[Hashable, dict[str, SourceRate]] = OrderedDict()  # session or request key
+        top = self.match_bands[-1] if self.match_bands else 0
+        # rate_key(source, m) for m in 0..top (longer matches share top's key), by source index.
+        self._keys = [[self.rate_key(src, m) for m in range(top + 1)] for src in COMBINED_SOURCES]
+        self._which = [COMBINED_SOURCES.index(src) for src in self.sources]
 
     def start(
         self, rid: Hashable, prompt_ids: Sequence[int], params: SamplingParams, session_id: Hashable | None = None
@@ -142,9 +151,12 @@ class CombinedDrafter:
 
     def propose(self, rid: Hashable, context: Sequence[int], budget: int) -> Draft:
         live = self._request(rid)
+        live.native = None
         if budget <= 0:
             live.last = {}
             return Draft(source=self.name)
+        if self.cache.tree_impl == "native" and context:
+            return self._propose_native(live, rid, context, budget)
         drafts = self.cache.speculate_sources(
             rid,
             context,
@@ -159,11 +171,31 @@ class CombinedDrafter:
         weighted = [(draft, self._rate(live.rates, key).rate) for key, draft in live.last.items()]
         return merge_drafts(weighted, budget, min_score=self.min_score, source=self.name)
 
+    def _propose_native(self, live: _CombinedRequest, rid: Hashable, context: Sequence[int], budget: int) -> Draft:
+        """`propose` with the four sources drafted and merged in C++: the same draft, bit for bit."""
+        positions = self.cache.draft_positions(rid, context)
+        _check_draft_args(budget, self.max_spec_factor, self.min_token_prob)  # as SuffixCache.speculate_sources
+        sources = suffix_impl.native_module().speculate_sources(
+            *positions, budget, self.max_spec_factor, self.max_spec_offset, self.min_token_prob, True,
+            self.alternatives,
+        )
+        lens = sources.match_lens
+        keys, top = self._keys, len(self._keys[0]) - 1
+        live.native, live.last = sources, {}
+        live.native_keys = {keys[i][min(lens[i], top)]: i for i in self._which}
+        rates = [self._rate(live.rates, key).rate for key in live.native_keys]
+        return sources.merge(list(live.native_keys.values()), rates, budget, self.min_score, self.name)
+
     def observe(self, rid: Hashable, accepted: Sequence[int], proposed: Draft) -> None:
         live = self._request(rid)
         self.cache.extend(rid, accepted)
-        for key, draft in live.last.items():
-            hits, missed = followed(draft, accepted)
+        if live.native is not None:
+            results = live.native.followed(accepted)
+            outcomes = [(key, results[i]) for key, i in live.native_keys.items()]
+            live.native = None
+        else:
+            outcomes = [(key, followed(draft, accepted)) for key, draft in live.last.items()]
+        for key, (hits, missed) in outcomes:
             if hits or missed:
                 self._rate(live.rates, key).update(hits, missed, self.decay)
                 self.pooled.setdefault(key, SourceRate()).update(hits, missed, self.decay)

@@ -386,23 +386,29 @@ class SuffixCache(SessionsMixin):
         - "global": SuffixDecoding's frequency draft from earlier outputs.
         The last two follow `speculate`'s budget rule and probability cut-off.
         """
-        req = self._request(rid)
+        self._request(rid)  # unknown requests first, as `speculate`
         _check_draft_args(max_tokens, max_spec_factor, min_token_prob)
         if not context or max_tokens == 0:
             return {name: Draft(source=name) for name in ("recent", "alt", "local", "global")}
-        is_own = self._is_own(req, context)
         params = (max_tokens, max_spec_factor, max_spec_offset, min_token_prob, tree)
-        local_positions = req.tree.live_positions(0) if is_own else req.tree.match_positions(context)
-        recent = req.tree.recent_draft(local_positions, max_tokens)
-        alt = _tree_of_chains(req.tree.recent_alternatives(local_positions, max_tokens, alternatives), "alt")
-        local = req.tree.speculate(local_positions, *params)
+        local_tree, local_positions, global_tree, global_positions = self.draft_positions(rid, context)
+        recent = local_tree.recent_draft(local_positions, max_tokens)
+        alt = _tree_of_chains(local_tree.recent_alternatives(local_positions, max_tokens, alternatives), "alt")
+        local = local_tree.speculate(local_positions, *params)
         local.source = "local"
-        if self._cached:
-            glob = self.global_tree.speculate(self._global_positions(req, context, is_own), *params)
-        else:
-            glob = Draft()
+        glob = global_tree.speculate(global_positions, *params) if global_tree is not None else Draft()
         glob.source = "global"
         return {"recent": recent, "alt": alt, "local": local, "global": glob}
+
+    def draft_positions(self, rid: Hashable, context: Sequence[int]) -> tuple[Any, Any, Any, Any]:
+        """(request tree, its positions, global tree, its positions) for drafting from `context` (non-empty);
+        the global pair is (None, None) while no response is cached. For native drafting code."""
+        req = self._request(rid)
+        is_own = self._is_own(req, context)
+        local_positions = req.tree.live_positions(0) if is_own else req.tree.match_positions(context)
+        if not self._cached:
+            return req.tree, local_positions, None, None
+        return req.tree, local_positions, self.global_tree, self._global_positions(req, context, is_own)
 
     def _is_own(self, req: _Request, context: Sequence[int]) -> bool:
         """Whether `context` is the request's own prompt + output (so positions are incremental)."""

@@ -2,7 +2,7 @@
 
 `THINKAHEAD_SUFFIX_IMPL=native|python` (`ENV_VAR`) picks one; unset, the native tree
 is used when its extension (`thinkahead.token_spec._suffix_native`, built from
-token_spec/native/suffix_tree.cpp by the package's own build) loads, and otherwise
+token_spec/native/ by the package's own build) loads, and otherwise
 the Python tree with one logged warning. `native` when the extension is missing is
 an error naming the problem. Both trees have the same public API and give the
 same drafts bit for bit (tests/test_suffix_native.py); the native one keeps no

@@ -1,0 +1,242 @@
+// Appending to the suffix tree (suffix_tree.SuffixTree.extend / _append) and matching contexts in it.
+
+#include "suffix_tree.hpp"
+
+#include <algorithm>
+#include <cmath>
+
+namespace thinkahead_suffix {
+
+void NativeSuffixTree::extend_vec(int64_t sid, const std::vector<int32_t>& toks) {
+  if (done_.count(sid)) throw py::value_error("sequence " + std::to_string(sid) + " is finished and cannot grow");
+  auto it = live_.find(sid);
+  if (it == live_.end()) {
+    int32_t b = new_buf();
+    ref(b);
+    it = live_.emplace(sid, Live{b, {}}).first;
+  }
+  Live& live = it->second;
+  bufs_[live.buf].t.reserve(bufs_[live.buf].t.size() + toks.size());
+  for (int32_t t : toks) append(live, t);
+  stored_tokens_ += static_cast<int64_t>(toks.size());
+  num_tokens_ += static_cast<int64_t>(toks.size());
+  version_ += 1;
+}
+
+void NativeSuffixTree::finish(int64_t sid) {
+  auto it = live_.find(sid);
+  if (it == live_.end()) throw py::value_error("sequence " + std::to_string(sid) + " is not live");
+  done_[sid] = it->second.buf;
+  live_.erase(it);
+}
+
+void NativeSuffixTree::append(Live& live, int32_t token) {
+  const int32_t sb = live.buf;
+  const int32_t index = static_cast<int32_t>(bufs_[sb].t.size());
+  bufs_[sb].t.push_back(token);
+  const int32_t root = root_;
+  N(root).count += 1;
+  std::vector<int32_t>& adv = advanced_;
+  adv.clear();
+  live.cursors.push_back(root);
+  std::vector<int32_t> merged;  // freed after the step (the reference drops them to the GC)
+  const bool any_orders = !orders_.empty();
+  for (int32_t node : live.cursors) {
+    if (N(node).nch == 0) {
+      Node& nd = N(node);
+      if (nd.count == 1 && nd.buf == sb && nd.start + nd.length == index) {
+        nd.length += 1;
+        nd.last = index;
+        adv.push_back(node);
+        continue;
+      }
+      int32_t leaf = new_node(sb, index, 1, 1, index);
+      append_child(node, leaf);
+      N(node).best = leaf;
+      num_nodes_ += 1;
+      adv.push_back(leaf);
+      continue;
+    }
+    int32_t child = find(node, token);
+    if (child == NIL) {
+      int32_t leaf = new_node(sb, index, 1, 1, index);
+      append_child(node, leaf);
+      if (any_orders) {
+        if (Order* o = order_of(node)) {
+          ord_add(*o, leaf, 1);
+          order_entries_ += 1;
+        }
+      }
+      num_nodes_ += 1;
+      adv.push_back(leaf);
+      continue;
+    }
+    if (N(child).length > 1) {
+      if (N(node).nch == 1 && N(node).count == N(child).count + 1 && N(child).buf == N(node).buf &&
+          N(node).start + N(node).length == N(child).start && node != root) {
+        Node& c = N(child);
+        c.start += 1;
+        c.length -= 1;
+        c.token = tok_at(c.buf, c.start);
+        Node& nd = N(node);
+        nd.length += 1;
+        single_child(node, child);
+        nd.prev = c.last - c.length;
+        nd.last = index;
+        adv.push_back(node);
+        continue;
+      }
+      int32_t upper = new_node(N(child).buf, N(child).start, 1, N(child).count, -1);
+      Node& c = N(child);
+      c.start += 1;
+      c.length -= 1;
+      c.token = tok_at(c.buf, c.start);
+      Node& u = N(upper);
+      u.last = c.last - c.length;
+      u.prev = c.prev >= 0 ? c.prev - c.length : -1;
+      replace_child(node, child, upper);
+      N(upper).first = child;
+      N(upper).nch = 1;
+      N(upper).best = child;
+      if (any_orders) {
+        if (Order* o = order_of(node)) {
+          ord_discard(*o, child, N(upper).count);
+          ord_add(*o, upper, N(upper).count);
+        }
+      }
+      if (N(node).best == child) N(node).best = upper;
+      num_nodes_ += 1;
+      child = upper;
+    }
+    Node& c = N(child);
+    c.count += 1;
+    if (any_orders) {
+      if (Order* o = order_of(node)) ord_bump(*o, child, c.count - 1);
+    }
+    c.prev = c.last;
+    c.last = index;
+    Node& nd = N(node);
+    int32_t best = nd.best;
+    if (best != child && c.count > N(best).count) nd.best = child;
+    if (node != root && nd.count == c.count && nd.nch == 1 && c.buf == nd.buf && nd.start + nd.length == c.start) {
+      nd.length += c.length;
+      take_children(node, child);
+      nd.best = c.best;
+      if (any_orders) move_order(child, node);
+      nd.last = c.last;
+      nd.prev = c.prev;
+      num_nodes_ -= 1;
+      if (live_.size() > 1) redirect(child, node);
+      merged.push_back(child);
+      adv.push_back(node);
+      continue;
+    }
+    adv.push_back(child);
+  }
+  if (static_cast<int>(adv.size()) >= max_depth_) adv.erase(adv.begin());
+  live.cursors.swap(adv);
+  for (int32_t m : merged) free_node(m);
+}
+
+// Other live sequences' cursors at `old` (merged into `from`, which now ends there) move to `to`.
+void NativeSuffixTree::redirect(int32_t old, int32_t to) {
+  for (auto& [sid, lv] : live_)
+    for (auto& c : lv.cursors)
+      if (c == old) c = to;
+}
+
+bool NativeSuffixTree::step(int32_t node, int32_t off, int32_t token, std::pair<int32_t, int32_t>& out) {
+  const Node& nd = nodes_[node];
+  if (off < nd.length) {
+    if (tok_at(nd.buf, nd.start + off) == token) {
+      out = {node, off + 1};
+      return true;
+    }
+    return false;
+  }
+  if (nd.nch == 0) return false;
+  int32_t c = find(node, token);
+  if (c == NIL) return false;
+  out = {c, 1};
+  return true;
+}
+
+void NativeSuffixTree::advance_into(const std::vector<std::pair<int32_t, int32_t>>& in, int32_t token,
+                  std::vector<std::pair<int32_t, int32_t>>& out) {
+  out.clear();
+  std::pair<int32_t, int32_t> p;
+  if (!step(root_, 0, token, p)) return;
+  out.push_back(p);
+  const size_t limit = static_cast<size_t>(max_depth_ - 1);
+  for (auto& [node, off] : in) {
+    if (out.size() >= limit) break;
+    if (!step(node, off, token, p)) break;
+    out.push_back(p);
+  }
+}
+
+Positions NativeSuffixTree::advance_many(const Positions& pos, const std::vector<int32_t>& toks) {
+  Positions a = pos, b;
+  for (int32_t t : toks) {
+    advance_into(a.v, t, b.v);
+    std::swap(a.v, b.v);
+  }
+  return a;
+}
+
+bool NativeSuffixTree::walk(const std::vector<int32_t>& tail, size_t from, std::pair<int32_t, int32_t>& out) {
+  int32_t node = root_, off = 0;
+  size_t i = from, n = tail.size();
+  while (i < n) {
+    if (off == N(node).length) {
+      if (N(node).nch == 0) return false;
+      int32_t c = find(node, tail[i]);
+      if (c == NIL) return false;
+      node = c;
+      off = 0;
+    }
+    const Node& nd = N(node);
+    size_t k = std::min(static_cast<size_t>(nd.length - off), n - i);
+    const int32_t* a = bufs_[nd.buf].t.data() + nd.start + off;
+    for (size_t q = 0; q < k; ++q)
+      if (a[q] != tail[i + q]) return false;
+    off += static_cast<int32_t>(k);
+    i += k;
+  }
+  out = {node, off};
+  return true;
+}
+
+Positions NativeSuffixTree::match_vec(const std::vector<int32_t>& tail) {
+  Positions out;
+  std::pair<int32_t, int32_t> p;
+  for (size_t m = 1; m <= tail.size(); ++m) {
+    if (!walk(tail, tail.size() - m, p)) break;
+    out.v.push_back(p);
+  }
+  return out;
+}
+
+Positions NativeSuffixTree::live_positions(int64_t sid) {
+  auto it = live_.find(sid);
+  if (it == live_.end()) throw py::key_error(std::to_string(sid));
+  Positions out;
+  auto& cur = it->second.cursors;
+  out.v.reserve(cur.size());
+  for (auto r = cur.rbegin(); r != cur.rend(); ++r) out.v.emplace_back(*r, N(*r).length);
+  return out;
+}
+
+// Bytes in use: live nodes, stored tokens, buffers, the wide nodes' child table (its capacity) and
+// count orders. Freed node slots and buffers are reused, so a full cache's arrays stay near this size.
+int64_t NativeSuffixTree::memory_bytes() const {
+  int64_t b = num_nodes_ * static_cast<int64_t>(sizeof(Node)) + stored_tokens_ * 4;
+  b += static_cast<int64_t>(bufs_.size() - free_bufs_.size()) * static_cast<int64_t>(sizeof(Buf));
+  b += wide_.bytes();
+  b += olinks_.bytes() + static_cast<int64_t>(orders_.size()) * 96;
+  for (const auto& [k, lv] : live_) b += 64 + static_cast<int64_t>(lv.cursors.size()) * 4;
+  b += static_cast<int64_t>(done_.size()) * 32;
+  return b;
+}
+
+}  // namespace thinkahead_suffix
