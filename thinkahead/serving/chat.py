@@ -76,6 +76,16 @@ def reproducible_speculation(seed: int | None, temperature: float) -> bool:
     return seed is None or temperature == 0
 
 
+def sampled_request(req: Any, prompt: str, max_new: int, sample: int, request_id: str | None = None) -> GenerationRequest:
+    """One generation of a chat or completions request: its sampling settings, sample `sample`'s seed."""
+    temperature = DEFAULT_TEMPERATURE if req.temperature is None else req.temperature
+    return GenerationRequest(
+        prompt=prompt, max_new_tokens=max_new, temperature=temperature,
+        top_p=1.0 if req.top_p is None else req.top_p, stop=req.stops,
+        seed=None if req.seed is None else req.seed + sample, session_id=req.session_id,
+        speculative=reproducible_speculation(req.seed, temperature), request_id=request_id)
+
+
 def can_score(model: LanguageModel) -> bool:
     return type(model).token_logprobs is not LanguageModel.token_logprobs
 
@@ -139,13 +149,7 @@ class ChatJob:
         return self.fmt is None and not self.rendered_tools
 
     def _request(self, prompt: str, index: int) -> GenerationRequest:
-        req = self.req
-        temperature = DEFAULT_TEMPERATURE if req.temperature is None else req.temperature
-        return GenerationRequest(
-            prompt=prompt, max_new_tokens=self.max_new, temperature=temperature,
-            top_p=1.0 if req.top_p is None else req.top_p, stop=req.stops,
-            seed=None if req.seed is None else req.seed + index, session_id=req.session_id,
-            speculative=reproducible_speculation(req.seed, temperature), request_id=f"chat-{uuid.uuid4().hex[:12]}")
+        return sampled_request(self.req, prompt, self.max_new, index, request_id=f"chat-{uuid.uuid4().hex[:12]}")
 
     async def _generate(self, prompt: str, index: int) -> Completion:
         completion = await self.model.generate(self._request(prompt, index))

@@ -19,7 +19,7 @@ from typing import Any
 
 from thinkahead.models.base import Completion, GenerationRequest, LanguageModel, TokenLogprob
 from thinkahead.serving.asgi import RequestError, Responder, unsupported
-from thinkahead.serving.chat import DEFAULT_TEMPERATURE, Spent, can_score, reproducible_speculation
+from thinkahead.serving.chat import Spent, can_score, sampled_request
 from thinkahead.serving.limits import check_context
 from thinkahead.serving.schemas import CompletionRequest
 
@@ -68,13 +68,7 @@ class CompletionJob:
         return choices
 
     def _request(self, text: str, sample: int) -> GenerationRequest:
-        req = self.req
-        temperature = DEFAULT_TEMPERATURE if req.temperature is None else req.temperature
-        return GenerationRequest(
-            prompt=text, max_new_tokens=self.max_new, temperature=temperature,
-            top_p=1.0 if req.top_p is None else req.top_p, stop=req.stops,
-            seed=None if req.seed is None else req.seed + sample, session_id=req.session_id,
-            speculative=reproducible_speculation(req.seed, temperature))
+        return sampled_request(self.req, text, self.max_new, sample)
 
     def _spend(self, c: Completion) -> None:
         self.spent.add(c)
