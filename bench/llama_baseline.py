@@ -70,8 +70,11 @@ class LlamaRunner:
         self.name, self.tokenizer = name, tokenizer  # prompts are tokenised by the bench, as for every method
         self.stop_ids = frozenset(stop_ids)
         draft = LlamaPromptLookupDecoding(num_pred_tokens=PROMPT_LOOKUP_TOKENS) if name == "llama-prompt-lookup" else None
+        # logits_all with a draft model: llama-cpp-python 0.3.36 turns it on internally but sizes its score
+        # buffer from the argument (n_batch rows), which overflows once a session passes 512 tokens.
         self.llm = Llama(model_path=str(gguf_path(model_spec)), n_ctx=n_ctx, n_threads=threads,
-                         n_threads_batch=threads, n_batch=512, draft_model=draft, verbose=False)
+                         n_threads_batch=threads, n_batch=512, draft_model=draft, logits_all=draft is not None,
+                         verbose=False)
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, session_id: str | None = None) -> tuple[list[int], dict]:
         """New token ids (ending with a stop token when one came) and the stats the bench reads."""

@@ -223,16 +223,12 @@ def summarize(records: list[dict], methods: list[str], workloads: list[str]) -> 
     by_key = {(r["method"], r["workload"], r["item"], r["turn"]): r for r in records}
     rows = []
     for w in workloads:
-        speed: dict[str, tuple[float, float]] = {}
-        for m in methods:
+        speed = {m: _speed([r for r in records if r["method"] == m and r["workload"] == w]) for m in methods}
+        speed = {m: v for m, v in speed.items() if v is not None}  # every method's, so any can be a baseline
+        for m in speed:
             rs = [r for r in records if r["method"] == m and r["workload"] == w]
-            if not rs:
-                continue
             tokens = sum(r["new_tokens"] for r in rs)
             wall = sum(r["wall_s"] for r in rs)
-            decode_wall = sum(r["wall_s"] - r.get("first_token_s", 0.0) for r in rs)
-            decode_tokens = sum(max(r["new_tokens"] - 1, 0) for r in rs)
-            speed[m] = (tokens / wall if wall else 0.0, decode_tokens / decode_wall if decode_wall else 0.0)
             verify = sum(r.get("spec_verify_ct", 0) for r in rs)
             draft_s = sum(r.get("draft_time_s", 0.0) for r in rs)
             prompt = sum(r["prompt_tokens"] for r in rs)
@@ -252,6 +248,16 @@ def summarize(records: list[dict], methods: list[str], workloads: list[str]) -> 
                 "same_as_hf_greedy": _agreement(rs, by_key, "hf-greedy", every_turn=False),
             })
     return rows
+
+
+def _speed(rs: list[dict]) -> tuple[float, float] | None:
+    """(end-to-end tok/s, decode tok/s without the first token) of some generations; None for none."""
+    if not rs:
+        return None
+    tokens, wall = sum(r["new_tokens"] for r in rs), sum(r["wall_s"] for r in rs)
+    decode_wall = sum(r["wall_s"] - r.get("first_token_s", 0.0) for r in rs)
+    decode_tokens = sum(max(r["new_tokens"] - 1, 0) for r in rs)
+    return tokens / wall if wall else 0.0, decode_tokens / decode_wall if decode_wall else 0.0
 
 
 def _ratio(speed: dict[str, tuple[float, float]], method: str, baseline: str, column: int) -> float | None:
@@ -347,6 +353,7 @@ def main() -> None:
     ap.add_argument("--methods", default=None, help="comma-separated (default: all; llama-* only when llama-cpp-python is installed)")
     ap.add_argument("--workloads", default=",".join(ALL_WORKLOADS))
     ap.add_argument("--quick", action="store_true", help="1 item per workload, short outputs")
+    ap.add_argument("--items", type=int, default=None, help="items per workload (default: cot 2, refine 2, pipeline 5, code 2)")
     ap.add_argument("--out", default=str(RESULTS / "token_spec"))
     ap.add_argument("--reuse", default="", help="METHODS=FILE.json: take these methods' records from an earlier run")
     ap.add_argument("--no-prefix-reuse", action="store_true", help="ours prefill every prompt whole, as transformers does")
@@ -363,6 +370,10 @@ def main() -> None:
     if args.quick:
         sizes = {k: 1 for k in sizes}
         max_new = {k: 32 for k in max_new}
+    if args.items is not None:
+        if args.items < 1:
+            ap.error(f"--items must be >= 1, got {args.items}")
+        sizes = {k: args.items for k in sizes}
     workloads = build_workloads(names, sizes, max_new)
 
     t0 = time.perf_counter()
