@@ -73,15 +73,13 @@ async def collect(args: argparse.Namespace) -> None:
     checker = get_checker("math")
     budget = StepBudget(max_steps=default("steps.max_steps"), max_tokens=default("steps.max_tokens"))
     for task in tasks:
-        before = sum(1 for _ in pairs_path.open()) if pairs_path.is_file() else 0
         policy = CollectPairs(pairs_path, problem_id=task.id)
         start = time.perf_counter()
         result = await StepLoop(small, large, policy, budget=budget).run(task.inputs["question"])
         answer = extract_final_answer(result.reasoning) or result.answer
-        after = sum(1 for _ in pairs_path.open()) if pairs_path.is_file() else 0
         record = {"id": task.id, "answer": answer, "reference": task.reference,
                   "correct": bool(checker.check(answer, task.reference)), "steps": len(result.steps),
-                  "pairs": after - before, "stop_reason": result.stop_reason,
+                  "pairs": sum(s.verdict == "collected" for s in result.steps),  # one pair per collected step "stop_reason": result.stop_reason,
                   "seconds": round(time.perf_counter() - start, 1), "machine": platform.machine(),
                   "small": args.small, "large": args.large, "dtype": args.dtype}
         with problems_path.open("a") as f:  # after the pairs: a problem listed here is complete

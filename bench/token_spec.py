@@ -219,14 +219,15 @@ def run_method(runner: Runner, workloads: dict[str, list[Conversation]], log) ->
 
 # --------------------------------------------------------------------------- report
 def summarize(records: list[dict], methods: list[str], workloads: list[str]) -> list[dict]:
-    """One row per (workload, method): speed against both transformers baselines, acceptance, exactness."""
+    """One row per (workload, method): speed against the transformers and llama.cpp baselines, acceptance,
+    exactness."""
     by_key = {(r["method"], r["workload"], r["item"], r["turn"]): r for r in records}
     rows = []
     for w in workloads:
-        speed = {m: _speed([r for r in records if r["method"] == m and r["workload"] == w]) for m in methods}
-        speed = {m: v for m, v in speed.items() if v is not None}  # every method's, so any can be a baseline
-        for m in speed:
-            rs = [r for r in records if r["method"] == m and r["workload"] == w]
+        groups = {m: [r for r in records if r["method"] == m and r["workload"] == w] for m in methods}
+        groups = {m: rs for m, rs in groups.items() if rs}
+        speed = {m: _speed(rs) for m, rs in groups.items()}  # every method's first, so any can be a baseline
+        for m, rs in groups.items():
             tokens = sum(r["new_tokens"] for r in rs)
             wall = sum(r["wall_s"] for r in rs)
             verify = sum(r.get("spec_verify_ct", 0) for r in rs)
@@ -250,10 +251,8 @@ def summarize(records: list[dict], methods: list[str], workloads: list[str]) -> 
     return rows
 
 
-def _speed(rs: list[dict]) -> tuple[float, float] | None:
-    """(end-to-end tok/s, decode tok/s without the first token) of some generations; None for none."""
-    if not rs:
-        return None
+def _speed(rs: list[dict]) -> tuple[float, float]:
+    """(end-to-end tok/s, decode tok/s without the first token) of some generations."""
     tokens, wall = sum(r["new_tokens"] for r in rs), sum(r["wall_s"] for r in rs)
     decode_wall = sum(r["wall_s"] - r.get("first_token_s", 0.0) for r in rs)
     decode_tokens = sum(max(r["new_tokens"] - 1, 0) for r in rs)
