@@ -29,7 +29,7 @@ from pathlib import Path
 from thinkahead.token_spec.names import common_prefix_len
 
 LLAMA_METHODS = ("llama-plain", "llama-prompt-lookup")
-PROMPT_LOOKUP_TOKENS = 10  # as transformers' prompt_lookup_num_tokens in bench/token_spec.py
+PROMPT_LOOKUP_TOKENS = 10  # every prompt-lookup method of bench/token_spec.py drafts this many tokens
 INSTALL_HINT = 'llama-cpp-python is not installed: CMAKE_ARGS="-DGGML_NATIVE=ON" pip install -e ".[llama]"'
 
 

@@ -47,7 +47,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from offline_data import gsm8k, humaneval  # noqa: E402
 
-from llama_baseline import LLAMA_METHODS, LlamaRunner, llama_version  # noqa: E402
+from llama_baseline import LLAMA_METHODS, PROMPT_LOOKUP_TOKENS, LlamaRunner, llama_version  # noqa: E402
 from thinkahead.evals.report import finish_plot  # noqa: E402
 from thinkahead.models.weights import DTYPES, load_causal_lm  # noqa: E402
 from thinkahead.token_spec.backends.hf import HFEngine  # noqa: E402
@@ -141,7 +141,7 @@ class Runner:
                 kind,
                 engine,
                 draft_engine=HFEngine(draft) if kind in ("draft-model", "hybrid") else None,
-                max_draft=10 if kind == "prompt-lookup" else 16,  # 10 as transformers' prompt lookup
+                max_draft=PROMPT_LOOKUP_TOKENS if kind == "prompt-lookup" else 16,  # as transformers' prompt lookup
                 prefix_pool=KVPrefixPool(engine) if prefix_reuse else None,
             )
 
@@ -156,7 +156,7 @@ class Runner:
         kwargs: dict = dict(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=self.stop_ids)
         kwargs["pad_token_id"] = self.tokenizer.pad_token_id or self.stop_ids[0]
         if self.name == "hf-prompt-lookup":
-            kwargs["prompt_lookup_num_tokens"] = 10
+            kwargs["prompt_lookup_num_tokens"] = PROMPT_LOOKUP_TOKENS
         elif self.name == "hf-assisted":
             kwargs["assistant_model"] = self.draft
         ids = torch.tensor([prompt_ids])
