@@ -79,7 +79,8 @@ async def collect(args: argparse.Namespace) -> None:
         answer = extract_final_answer(result.reasoning) or result.answer
         record = {"id": task.id, "answer": answer, "reference": task.reference,
                   "correct": bool(checker.check(answer, task.reference)), "steps": len(result.steps),
-                  "pairs": sum(s.verdict == "collected" for s in result.steps),  # one pair per collected step "stop_reason": result.stop_reason,
+                  "pairs": sum(s.verdict == "collected" for s in result.steps),  # one pair per collected step
+                  "stop_reason": result.stop_reason,
                   "seconds": round(time.perf_counter() - start, 1), "machine": platform.machine(),
                   "small": args.small, "large": args.large, "dtype": args.dtype}
         with problems_path.open("a") as f:  # after the pairs: a problem listed here is complete

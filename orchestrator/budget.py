@@ -240,6 +240,9 @@ class MeteredModel(LanguageModel):
     def count_tokens(self, text: str) -> int:
         return self.inner.count_tokens(text)
 
+    def decode_tokens(self, token_ids: list[int]) -> list[str]:
+        return self.inner.decode_tokens(token_ids)
+
     def __getattr__(self, name: str) -> Any:  # tokenizer, suffix_cache, ... of the wrapped model
         return getattr(self.inner, name)
 

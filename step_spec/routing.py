@@ -29,7 +29,8 @@ from thinkahead.step_spec.base import (
     write_step,
 )
 from thinkahead.step_spec.state import StepContext, StepOutcome
-from thinkahead.verifiers.judge import LLMJudge
+from thinkahead.verifiers.agreement import AgreementVerifier
+from thinkahead.verifiers.judge import LLMJudge, Verdict
 
 try:  # whole-line appends across processes; within one process the lock below suffices
     import fcntl
@@ -37,7 +38,7 @@ except ImportError:  # pragma: no cover - not POSIX
     fcntl = None  # type: ignore[assignment]
 
 ROUTER_TOP_K = 20  # next-token candidates the router's entropy feature is computed over
-DEFAULT_ROUTER = "heuristic"
+DEFAULT_ROUTER = "trained"  # shipped: trained on the packaged pair's step pairs (verifiers/routers/)
 
 
 async def router_features(ctx: StepContext, top_k: int = ROUTER_TOP_K):
@@ -60,7 +61,8 @@ async def router_features(ctx: StepContext, top_k: int = ROUTER_TOP_K):
 class ArbitrageOptions(PolicyOptions):
     """arbitrage's settings."""
 
-    router: str = Field(default=DEFAULT_ROUTER, description="'heuristic' or the path of a trained router JSON")
+    router: str = Field(default=DEFAULT_ROUTER, description="'trained' (shipped, for the packaged "
+                        "models), 'heuristic', or the path of a router JSON from `thinkahead router train`")
 
 
 class Arbitrage(Policy):
@@ -135,17 +137,30 @@ class CollectRun:
         small, large = await write_step(ctx, "small"), await write_step(ctx, "large")
         messages = ctx.messages()
         small_v, large_v = await self.judge.judge(messages, small.step.text), await self.judge.judge(messages, large.step.text)
+        check = await agreement_label(ctx, messages, small.step.text)
         append_pairs(self.options.pairs_path, [PairedStep(
             problem_id=self.options.problem_id, step_index=ctx.index, features=features,
             small_text=small.step.text, large_text=large.step.text,
             small_score=small_v.score, large_score=large_v.score,
+            small_fails=None if check is None else not check.accept,
+            small_gap=None if check is None else float(check.details.get("worst_gap", 0.0)),
         )])
         keep, drop, score = (small, large, small_v.score) if small_v.score >= large_v.score else (large, small, large_v.score)
-        out = discard(outcome(keep, "collected", score=score, judge_calls=2), drop)
+        checks = 2 + (0 if check is None else check.judge_calls)
+        out = discard(outcome(keep, "collected", score=score, judge_calls=checks), drop)
         out.time_s = time.perf_counter() - t0
         return out
 
     async def close(self) -> None:
+        return None
+
+
+async def agreement_label(ctx: StepContext, messages: list[dict[str, str]], step: str) -> Verdict | None:
+    """The large model's agreement check of the small model's step (the "agreement" label rule), or
+    None where the large model's backend cannot score a continuation."""
+    try:
+        return await AgreementVerifier(ctx.large).judge(messages, step)
+    except NotImplementedError:
         return None
 
 

@@ -34,10 +34,12 @@ from thinkahead.step_spec.base import (
     with_reasoning,
     write_step,
 )
+from thinkahead.step_spec.routing import router_features
 from thinkahead.step_spec.segment import closes_step, cut_step
 from thinkahead.step_spec.state import StepContext, StepOutcome
 from thinkahead.verifiers.base import StepVerifier
 from thinkahead.verifiers.judge import LLMJudge, Verdict
+from thinkahead.verifiers.router_labels import own_confidence
 
 Judge = Literal["llm", "agreement"]  # the 0-9 judge prompt, or token agreement
 Repair = Literal["step", "token"]  # after a failed agreement check: the large model finishes the step, or fixes one token
@@ -60,6 +62,10 @@ class SpecReasonOptions(PolicyOptions):
     max_corrections: int = Field(default=8, ge=1, description="token repair: fixes per step before the large model "
                                  "finishes it")
     first_large_steps: int = Field(default=0, ge=0, description="the first N steps go to the large model")
+    pre_router: str | None = Field(default=None, description="a step router (name or path, as arbitrage's) that "
+                                   "hands a step to the large model before the small model drafts it")
+    gate_logprob: float | None = Field(default=None, lt=0, description="keep a draft unchecked when every token "
+                                       "with digits has at least this log-probability under the small model")
     lookahead: bool = Field(default=False, description="draft the next step while this one is judged")
 
     @field_validator("judge", "repair", mode="before")
@@ -83,8 +89,11 @@ class SpecReason(Policy):
     options: SpecReasonOptions
 
     def __init__(self, verifier: StepVerifier | None = None, **options: Any) -> None:
+        from thinkahead.verifiers.router import load_router
+
         super().__init__(**options)
         self.verifier = verifier
+        self.router = None if self.options.pre_router is None else load_router(self.options.pre_router)
 
     def make_verifier(self, large: LanguageModel) -> StepVerifier:
         """The verifier the settings describe, over `large`."""
@@ -114,17 +123,18 @@ class SpecReason(Policy):
         return given
 
     def start(self, ctx: StepContext) -> SpecReasonRun:
-        return SpecReasonRun(self.options, self.verifier_for(ctx))
+        return SpecReasonRun(self.options, self.verifier_for(ctx), self.router)
 
 
 class SpecReasonRun:
-    """One run of `SpecReason`: its judge and its lookahead guess."""
+    """One run of `SpecReason`: its judge, its router and its lookahead guess."""
 
-    __slots__ = ("options", "verifier", "_ahead")
+    __slots__ = ("options", "verifier", "router", "_ahead")
 
-    def __init__(self, options: SpecReasonOptions, verifier: StepVerifier) -> None:
+    def __init__(self, options: SpecReasonOptions, verifier: StepVerifier, router: Any = None) -> None:
         self.options = options
         self.verifier = verifier
+        self.router = router  # shared and stateless (a pure function of the step's features)
         self._ahead: tuple[str, asyncio.Task[Written]] | None = None  # (reasoning it continues, draft task)
 
     async def next_step(self, ctx: StepContext) -> StepOutcome:
@@ -132,8 +142,22 @@ class SpecReasonRun:
         if ctx.index < o.first_large_steps:
             return outcome(await write_step(ctx, "large"), "forced")
         t0 = time.perf_counter()
+        if self.router is not None:
+            tier, p = self.router.route(await router_features(ctx))
+            if tier == "large":
+                await self._drop_lookahead()
+                out = outcome(await write_step(ctx, "large"), "routed", route_p=p)
+                out.time_s = time.perf_counter() - t0
+                return out
         draft, hit = await self._draft(ctx)
         messages = ctx.messages()
+        if o.gate_logprob is not None:
+            confidence = await own_confidence(ctx.small, messages, draft.completion, draft.step.text)
+            if confidence.min_digit_logprob >= o.gate_logprob:  # the small model is sure of every number
+                out = outcome(draft, "confident")
+                out.lookahead_hit = hit
+                out.time_s = time.perf_counter() - t0
+                return out
         if o.lookahead and not (draft.step.ends_thinking or draft.step.kind in ("final", "empty")):
             # guess that the draft passes: draft the following step while the judge works
             guess = with_reasoning(ctx, ctx.reasoning + draft.step.text)

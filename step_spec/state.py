@@ -20,7 +20,8 @@ class StepOutcome:
     "baseline" (a one-model policy), "accepted" / "rejected" (judged), "repaired" (judged, the
     draft kept up to the first disagreeing token, the large model wrote the rest), "corrected" (the
     large model put its own token where the draft first failed and the small model drafted on), "forced" (the first steps
-    go to the large model), "routed" (a router's choice), "reflection" (handed over on a cue),
+    go to the large model), "routed" (a router's choice), "confident" (a draft kept unchecked: the small model
+    was sure of every number in it), "reflection" (handed over on a cue),
     "collected" (router training: both wrote, the better one kept), "final" (the forced final answer).
     `lookahead_hit`: the step's draft is the guess the small model wrote while the previous step was judged.
     """

@@ -163,3 +163,23 @@ def test_bad_arguments(tiny_engine_factory) -> None:
         SamplingParams(temperature=1, top_p=0)
     with pytest.raises(ValueError, match="min_ngram"):
         PromptLookupDrafter(max_ngram=1, min_ngram=2)
+
+
+@pytest.mark.parametrize("kind", ["plain", "suffix"])
+def test_token_logprobs_are_the_models_own(kind, tiny_engine_factory) -> None:
+    """Each output token's log-probability, read off the verify rows, equals the log-softmax of a
+    fresh full forward over prompt + output at that position (also after a stop token cut)."""
+    engine = tiny_engine_factory("qwen2")
+    prompt = repetitive_prompt(3)
+    drafter = None if kind == "plain" else SuffixDrafter(SuffixCache(max_depth=24))
+    decoder = SpeculativeDecoder(engine, drafter)
+    result = decoder.generate(prompt, max_new_tokens=24, stop_token_ids=[])
+    out = result.token_ids
+    assert len(result.token_logprobs) == len(out) == 24
+    full = torch.log_softmax(engine.logits_for_prefix(prompt + out), dim=-1)
+    expected = [float(full[len(prompt) - 1 + i, t]) for i, t in enumerate(out)]
+    assert result.token_logprobs == pytest.approx(expected, abs=1e-4)
+    stop = out[5]
+    cut = decoder.generate(prompt, max_new_tokens=24, stop_token_ids=[stop])
+    assert cut.token_ids == out[: out.index(stop) + 1]
+    assert cut.token_logprobs == pytest.approx(expected[: len(cut.token_ids)], abs=1e-4)

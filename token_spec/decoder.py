@@ -41,6 +41,7 @@ class GenerationResult:
     finish_reason: str  # "stop" (a stop token or stop string) or "length" (max_new_tokens)
     stats: SpecStats = field(default_factory=SpecStats)
     matched_stop: str | int | None = None  # the stop string or stop token that ended generation
+    token_logprobs: list[float] = field(default_factory=list)  # each output token's log-probability (temperature 1)
 
 
 @dataclass(slots=True)
@@ -59,6 +60,7 @@ class _Generation:
     session: Any = None
     context: list[int] = field(default_factory=list)  # prompt + committed output
     output: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # of each output token, from the verify rows
     finish: str = "length"
     matched: str | int | None = None
     draft_s: float = 0.0
@@ -85,6 +87,7 @@ class _Round:
     fed: int  # tokens in the verify forward
     forward_s: float
     tokens: list[int] = field(default_factory=list)  # what this round commits
+    logprobs: list[float] = field(default_factory=list)  # the model's log-probability of each token of the path
 
 
 class SpeculativeDecoder:
@@ -237,7 +240,8 @@ class SpeculativeDecoder:
         self._rollback(gen.session, start, acceptance, tree)
         forward_s = time.perf_counter() - t0
         gen.verify_s += forward_s
-        return _Round(draft, probe, acceptance, fed=len(tokens), forward_s=forward_s)
+        return _Round(draft, probe, acceptance, fed=len(tokens), forward_s=forward_s,
+                      logprobs=path_logprobs(logits, draft, acceptance))
 
     def _rollback(self, session, start: int, acceptance: Acceptance, tree: bool) -> None:
         """Keep in the KV cache only the fed token and the accepted path after `start`."""
@@ -286,6 +290,7 @@ class SpeculativeDecoder:
         if not gen.output:
             gen.stats.first_token_s = time.perf_counter() - gen.started
         gen.output.extend(rnd.tokens)
+        gen.logprobs.extend(rnd.logprobs[: len(rnd.tokens)])  # the stop cuts shortened the tokens only
         gen.context.extend(rnd.tokens)
         if self.drafter is not None:
             self.drafter.observe(gen.rid, rnd.tokens, rnd.draft)
@@ -311,7 +316,7 @@ class SpeculativeDecoder:
         if isinstance(gen.matched, str) and gen.matched in text:
             text = text[: text.rfind(gen.matched)]
         return GenerationResult(text=text, token_ids=gen.output, finish_reason=gen.finish, stats=stats,
-                                matched_stop=gen.matched)
+                                matched_stop=gen.matched, token_logprobs=gen.logprobs)
 
     # ------------------------------------------------------------------ helpers
     def _find_stop_string(self, output: list[int], new: list[int], stop_strings: list[str]) -> tuple[int, str] | None:
@@ -331,6 +336,17 @@ class SpeculativeDecoder:
         if eos is None:
             return []
         return list(eos) if isinstance(eos, (list, tuple)) else [eos]
+
+
+def path_logprobs(logits: torch.Tensor, draft: Draft, acceptance: Acceptance) -> list[float]:
+    """The model's log-probability (temperature 1) of each token the round keeps: the accepted draft
+    tokens, then the bonus. Row 0 of `logits` predicts the first of them, the row of accepted node i
+    (i + 1) the one after it; only those rows are normalised."""
+    rows = [0] + [i + 1 for i in acceptance.accepted]
+    picked = [draft.token_ids[i] for i in acceptance.accepted] + [acceptance.bonus]
+    sel = logits[rows].float()
+    chosen = sel[torch.arange(len(rows)), torch.tensor(picked)]
+    return (chosen - torch.logsumexp(sel, dim=-1)).tolist()
 
 
 def plain_greedy(engine, prompt_ids: Sequence[int], max_new_tokens: int, stop_token_ids: Sequence[int] = ()) -> list[int]:

@@ -15,7 +15,8 @@ dependency-light substitute (numpy only), built on features the step loop alread
 - `HeuristicRouter`: works with no training (entropy / previous score / reflection rules).
 - `LogisticRouter`: standardised features, logistic regression fitted with plain numpy batch
   gradient descent on class-balanced data (Arbitrage found balancing helped); JSON save/load.
-- `load_router(spec)`: "heuristic" or the path of a saved logistic router.
+- `load_router(spec)`: "heuristic", a shipped router's name ("trained", `SHIPPED_ROUTERS`), or the
+  path of a saved logistic router.
 
 Training data and training (`PairedStep`, `write_pairs` / `read_pairs`, `label`, `train_router`)
 are in `thinkahead.verifiers.router_pairs`.
@@ -23,7 +24,7 @@ are in `thinkahead.verifiers.router_pairs`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -187,6 +188,7 @@ class LogisticRouter:
         std: Sequence[float] | np.ndarray,
         threshold: float = 0.5,
         feature_names: Sequence[str] = FEATURE_NAMES,
+        provenance: Mapping[str, Any] | None = None,
     ) -> None:
         self.weights = _as_float_vector(weights, "weights")
         self.mean = _as_float_vector(mean, "mean")
@@ -212,6 +214,8 @@ class LogisticRouter:
         self.threshold = float(threshold)
         self.feature_names = names
         self.name = "logistic"
+        # how it was made (data, label rule, features, held-out metrics): written to and read from its file
+        self.provenance: dict[str, Any] = dict(provenance or {})
 
     def __repr__(self) -> str:
         return (
@@ -237,12 +241,11 @@ class LogisticRouter:
         """P(large is meaningfully better) for one step."""
         if not isinstance(features, RouterFeatures):
             raise ValueError(f"features must be RouterFeatures, got {type(features).__name__}")
-        if self.feature_names != FEATURE_NAMES:
-            raise ValueError(
-                f"this router was trained on features {list(self.feature_names)}, "
-                f"not RouterFeatures {list(FEATURE_NAMES)}"
-            )
-        return float(self.predict_proba([features.to_vector()])[0])
+        try:
+            vector = features.to_vector(self.feature_names)
+        except ValueError as exc:
+            raise ValueError(f"this router was trained on features {list(self.feature_names)}: {exc}") from None
+        return float(self.predict_proba([vector])[0])
 
     def route(self, features: RouterFeatures) -> tuple[str, float]:
         """("large", p) when p >= threshold, else ("small", p)."""
@@ -329,6 +332,7 @@ class LogisticRouter:
             "mean": [float(v) for v in self.mean],
             "std": [float(v) for v in self.std],
             "threshold": self.threshold,
+            **({"provenance": self.provenance} if self.provenance else {}),
         }
 
     def save(self, path: str | os.PathLike[str]) -> Path:
@@ -369,18 +373,30 @@ class LogisticRouter:
                 data["std"],
                 threshold=data["threshold"],
                 feature_names=data["feature_names"],
+                provenance=data.get("provenance") if isinstance(data.get("provenance"), dict) else None,
             )
         except ValueError as exc:
             raise ValueError(f"{source}: corrupt {ROUTER_FILE_KIND} file: {exc}") from None
 
+SHIPPED_ROUTERS: dict[str, Path] = {
+    # trained on step pairs of the packaged Qwen2.5-Coder 0.5B / 1.5B (int8) on GSM8K train problems;
+    # its file's "provenance" says how (data, label rule, features, held-out metrics)
+    "trained": Path(__file__).resolve().parent / "routers" / "qwen2.5-coder-0.5b-1.5b.json",
+}
+"""Routers that ship inside the package, by name."""
+
+
 def load_router(spec: str | os.PathLike[str]) -> StepRouter:
-    """"heuristic" -> `HeuristicRouter()`; a path to a saved logistic router -> `LogisticRouter`."""
+    """"heuristic" -> `HeuristicRouter()`; a shipped router's name (`SHIPPED_ROUTERS`) or the path of
+    a saved logistic router -> `LogisticRouter`."""
     text = os.fspath(spec)
     if text.strip().lower() == "heuristic":
         return HeuristicRouter()
+    if text in SHIPPED_ROUTERS:
+        return LogisticRouter.load(SHIPPED_ROUTERS[text])
     if text and Path(text).is_file():
         return LogisticRouter.load(text)
     raise ValueError(
-        f"unknown router {text!r}; choices: 'heuristic', or the path of a JSON file written by "
-        "LogisticRouter.save / train_router"
+        f"unknown router {text!r}; choices: 'heuristic', {', '.join(map(repr, SHIPPED_ROUTERS))}, or the path of "
+        "a JSON file written by LogisticRouter.save / train_router"
     )

@@ -100,22 +100,24 @@ class RouterFeatures:
                 f"got {self.prev_had_reflection!r}"
             )
 
-    def to_vector(self) -> list[float]:
-        """The features as floats, in the order of `FEATURE_NAMES`:
-
-        step_index, prev_score (None -> 5.0), prev_score_missing (1.0 if None), small_entropy,
-        prev_step_tokens, prev_had_reflection (0/1), problem_tokens.
-        """
+    def to_vector(self, names: tuple[str, ...] = FEATURE_NAMES) -> list[float]:
+        """The features `names` as floats, in that order (default `FEATURE_NAMES`): step_index,
+        prev_score (None -> 5.0), prev_score_missing (1.0 if None), small_entropy, prev_step_tokens,
+        prev_had_reflection (0/1), problem_tokens. A router trained on a subset names it."""
         missing = self.prev_score is None
-        return [
-            float(self.step_index),
-            IMPUTED_PREV_SCORE if missing else float(self.prev_score),  # type: ignore[arg-type]
-            1.0 if missing else 0.0,
-            float(self.small_entropy),
-            float(self.prev_step_tokens),
-            1.0 if self.prev_had_reflection else 0.0,
-            float(self.problem_tokens),
-        ]
+        values = {
+            "step_index": float(self.step_index),
+            "prev_score": IMPUTED_PREV_SCORE if missing else float(self.prev_score),  # type: ignore[arg-type]
+            "prev_score_missing": 1.0 if missing else 0.0,
+            "small_entropy": float(self.small_entropy),
+            "prev_step_tokens": float(self.prev_step_tokens),
+            "prev_had_reflection": 1.0 if self.prev_had_reflection else 0.0,
+            "problem_tokens": float(self.problem_tokens),
+        }
+        unknown = [n for n in names if n not in values]
+        if unknown:
+            raise ValueError(f"unknown router features {unknown}; known: {list(FEATURE_NAMES)}")
+        return [values[n] for n in names]
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able dict of the raw fields (prev_score stays None when unknown)."""

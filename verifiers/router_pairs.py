@@ -34,6 +34,8 @@ class PairedStep:
     large_text: str
     small_score: float
     large_score: float
+    small_fails: bool | None = None  # the large model's agreement check failed the small step (None: not checked)
+    small_gap: float | None = None  # the worst gap (nats) of that check
 
     def __post_init__(self) -> None:
         if not isinstance(self.problem_id, str):
@@ -53,6 +55,10 @@ class PairedStep:
             value = getattr(self, name)
             if not is_number(value) or not math.isfinite(value):
                 raise ValueError(f"{name} must be a finite number, got {value!r}")
+        if self.small_fails is not None and not isinstance(self.small_fails, bool):
+            raise ValueError(f"small_fails must be a bool or null, got {self.small_fails!r}")
+        if self.small_gap is not None and (not is_number(self.small_gap) or not math.isfinite(self.small_gap)):
+            raise ValueError(f"small_gap must be a finite number or null, got {self.small_gap!r}")
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-able dict (one JSONL line of `write_pairs`)."""
@@ -64,6 +70,7 @@ class PairedStep:
             "large_text": self.large_text,
             "small_score": self.small_score,
             "large_score": self.large_score,
+            **({} if self.small_fails is None else {"small_fails": self.small_fails, "small_gap": self.small_gap}),
         }
 
     @classmethod
@@ -100,6 +107,8 @@ class PairedStep:
             large_text=data["large_text"],
             small_score=data["small_score"],
             large_score=data["large_score"],
+            small_fails=data.get("small_fails"),
+            small_gap=data.get("small_gap"),
         )
 
 
@@ -133,41 +142,39 @@ def read_pairs(path: str | os.PathLike[str]) -> list[PairedStep]:
     return pairs
 
 
-def label(pair: PairedStep, margin: float = 1.0) -> int:
-    """1 when the large model's step beats the small one's by more than `margin`, else 0."""
-    return int(pair.large_score - pair.small_score > margin)
+LABEL_RULES: tuple[str, ...] = ("judge", "agreement")
+"""How a pair is labelled: "judge", the paper's rule (large judge score - small judge score > margin),
+or "agreement" (the large model's agreement check failed the small step; see `router_labels`)."""
 
 
-def train_router(
-    pairs_path: str | os.PathLike[str],
-    out_path: str | os.PathLike[str],
-    margin: float = 1.0,
-    threshold: float = 0.5,
-) -> dict[str, Any]:
+def label(pair: PairedStep, margin: float = 1.0, rule: str = "judge") -> int:
+    """1 when the step should have gone to the large model under `rule` (see `LABEL_RULES`), else 0."""
+    if rule == "judge":
+        return int(pair.large_score - pair.small_score > margin)
+    if rule == "agreement":
+        if pair.small_fails is None:
+            raise ValueError(f"pair {pair.problem_id}#{pair.step_index} has no agreement label (small_fails); "
+                             "label the pairs first (bench/label_pairs.py) or use rule 'judge'")
+        return int(pair.small_fails)
+    raise ValueError(f"unknown label rule {rule!r}; choose one of {', '.join(LABEL_RULES)}")
+
+
+def train_router(pairs_path: str | os.PathLike[str], out_path: str | os.PathLike[str], margin: float = 1.0,
+                 threshold: float | None = 0.5, **options: Any) -> dict[str, Any]:
     """Fit a `LogisticRouter` on the pairs in `pairs_path`, save it to `out_path`, report on it.
 
-    Report: n, positives, train_accuracy (at `threshold`), threshold, margin, path.
+    `options` go to `router_training.fit_router` (label rule, features, held-out split); the report
+    holds n, positives, train_accuracy and, with a held-out split, its AUC and route share.
     """
+    from thinkahead.verifiers.router_training import fit_router
+
     pairs = read_pairs(pairs_path)
     if not pairs:
         raise ValueError(f"{pairs_path}: no paired steps to train on")
-    X = np.asarray([p.features.to_vector() for p in pairs], dtype=np.float64)
-    y = np.asarray([label(p, margin) for p in pairs], dtype=np.float64)
-    positives = int(y.sum())
-    if positives in (0, len(pairs)):
-        raise ValueError(
-            f"{pairs_path}: all {len(pairs)} pairs have label {1 if positives else 0} at margin "
-            f"{margin}; need both classes"
-        )
-    router = LogisticRouter.fit(X, y, threshold=threshold)
-    saved = router.save(out_path)
-    predicted = router.predict_proba(X) >= threshold
-    accuracy = float((predicted == (y == 1.0)).mean())
-    return {
-        "n": len(pairs),
-        "positives": positives,
-        "train_accuracy": accuracy,
-        "threshold": threshold,
-        "margin": margin,
-        "path": str(saved),
-    }
+    try:
+        router, report = fit_router(pairs, margin=margin, threshold=threshold, **options)
+    except ValueError as exc:
+        raise ValueError(f"{pairs_path}: {exc}") from None
+    router.provenance = {"data": str(pairs_path), **report}
+    report["path"] = str(router.save(out_path))
+    return report

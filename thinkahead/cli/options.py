@@ -75,6 +75,13 @@ def orchestrator_options(fn):
         click.option("--repair", type=click.Choice(REPAIRS), default=None,
                      help="Agreement judge, on a failed check: the large model finishes the step, or puts its own "
                           f"token in place of the failing one and the small model drafts on [{default('policy.repair')}]."),
+        click.option("--router", default=None, help="arbitrage: 'trained' (shipped for the packaged models), "
+                     f"'heuristic', or a router JSON from `thinkahead router train` [{default('policy.router')}]."),
+        click.option("--pre-router", default=None, help="specreason: a router (as --router) that hands steps to the "
+                     "large model before the small model drafts them [none]."),
+        click.option("--gate-logprob", type=float, default=None,
+                     help="specreason: keep a draft unchecked when every token with digits has at least this "
+                          "log-probability under the small model (e.g. -0.5) [every draft is checked]."),
         click.option("--max-steps", type=int, default=None,
                      help=f"Steps per reasoning chain [{default('steps.max_steps')}]."),
         click.option("--max-tokens", type=int, default=None,
@@ -91,8 +98,8 @@ def orchestrator_options(fn):
 
 
 def build_settings(config_path, small, large, dtype, threshold, max_steps, max_tokens, step_tokens, no_token_spec,
-                   record=None, judge=None, margin=None, word_margin=None, repair=None,
-                   fallback: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
+                   record=None, judge=None, margin=None, word_margin=None, repair=None, router=None,
+                   pre_router=None, gate_logprob=None, fallback: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
     """An `OrchestratorConfig` as a dict: the file's values, overridden by the options given.
 
     `fallback`: top-level settings a command uses where neither the file nor an option sets them
@@ -117,7 +124,8 @@ def build_settings(config_path, small, large, dtype, threshold, max_steps, max_t
         if record is not None:
             data[tier]["record"] = str(record)
     for key, value in (("threshold", threshold), ("judge", judge), ("margin", margin), ("word_margin", word_margin),
-                       ("repair", repair)):
+                       ("repair", repair), ("router", router), ("pre_router", pre_router),
+                       ("gate_logprob", gate_logprob)):
         if value is not None:
             data["policy"][key] = value
     if max_steps is not None:

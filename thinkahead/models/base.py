@@ -75,6 +75,7 @@ class Completion:
     first_token_s: float = 0.0
     model: str = ""
     spec: SpecStats = field(default_factory=SpecStats)
+    token_logprobs: list[float] = field(default_factory=list)  # per token of `token_ids`; [] where a backend does not say
 
     @property
     def text_with_stop(self) -> str:
@@ -257,6 +258,10 @@ class LanguageModel(abc.ABC):
 
     def encode(self, text: str) -> list[int]:
         """Token ids of raw prompt text, for backends with a tokenizer."""
+        raise NotImplementedError(f"{type(self).__name__} has no tokenizer")
+
+    def decode_tokens(self, token_ids: list[int]) -> list[str]:
+        """The text of each token id on its own, for backends with a tokenizer."""
         raise NotImplementedError(f"{type(self).__name__} has no tokenizer")
 
     @property

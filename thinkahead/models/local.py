@@ -213,6 +213,7 @@ class LocalModel(LanguageModel):
             first_token_s=stats.first_token_s,
             model=self.name,
             spec=stats,
+            token_logprobs=result.token_logprobs,
         )
 
     def next_token_logprobs_sync(self, prompt: str, top_k: int = 20) -> dict[str, float]:
@@ -311,6 +312,9 @@ class LocalModel(LanguageModel):
     def encode(self, text: str) -> list[int]:
         """Token ids of raw prompt text; a BOS token is added only where the tokenizer wants one."""
         return encode_prompt(self.tokenizer, text)
+
+    def decode_tokens(self, token_ids: list[int]) -> list[str]:
+        return [self.tokenizer.decode([int(t)]) for t in token_ids]
 
     def _stop_token_ids(self) -> list[int]:
         eos = getattr(self.tokenizer, "eos_token_id", None)

@@ -64,6 +64,7 @@ class HFEngine:
         self.vocab_size: int = int(getattr(out_emb, "out_features", None) or config.vocab_size)
         self.dtype: torch.dtype = model.dtype
         self.device: torch.device = model.device
+        self.forwarded_tokens = 0  # tokens every forward has read, over the engine's life (prefill accounting)
         # Layer type -> index of its first layer (for cache mask sizes); empty when every layer is full
         # attention, in which case a plain 4D mask tensor is passed (Llama accepts no dict form).
         self._mask_layers: dict[str, int] = {}
@@ -120,6 +121,7 @@ class HFEngine:
             )
         session.length = start + n
         session.last_start, session.last_parents = start, chain
+        self.forwarded_tokens += n
         return out.logits[0].float()
 
     def keep_path(self, session: EngineSession, start: int, path: list[int]) -> None:
