@@ -7,6 +7,10 @@ with, and the large model writes the rest ("repaired"). With `repair="token"` th
 puts its own token in place of the failing one (read from the same verify pass) and the small
 model drafts on, up to `max_corrections` times per step ("corrected"). With `lookahead`, the small
 model drafts step i+1 while step i is being judged, and the guess is dropped if step i is rejected.
+With `gate_logprob`, a draft whose every token with digits the small model itself gave at least that
+log-probability is kept unchecked ("confident"; the decoder's own per-token log-probabilities, so
+the gate costs nothing). With `pre_router`, a router sends some steps to the large model before
+anything is drafted ("routed").
 
 `SpecReason` is the shared spec; each run's `SpecReasonRun` owns that run's lookahead task and its
 judge, built over the run's own large model (so judge calls are charged to the run that made them).

@@ -117,3 +117,23 @@ def test_the_shared_options_show_the_config_defaults():
         assert helps[param].endswith(f"[{default(setting)}].") and helps[param].count("[") == 1, helps[param]
     with pytest.raises(KeyError, match="no setting 'steps.max_stepz'"):
         default("steps.max_stepz")
+
+
+def test_the_gate_and_routers_reach_the_policy_and_bad_values_are_named(reason_loop, tmp_path):
+    result = CliRunner().invoke(main, ["reason", "q", "--gate-logprob", "-0.2", "--pre-router", "trained"])
+    # the scripted small model has no token log-probabilities to gate on: the run says so
+    assert result.exit_code == 1 and "gate_logprob needs" in str(result.exception)
+    policy = reason_loop["loop"].policy
+    assert (policy.gate_logprob, policy.pre_router, type(policy.router).__name__) == (-0.2, "trained", "LogisticRouter")
+    result = CliRunner().invoke(main, ["reason", "q", "--policy", "arbitrage"])
+    assert result.exit_code == 0, result.output
+    assert reason_loop["loop"].policy.router.provenance["rule"] == "agreement"  # the shipped router by default
+    result = CliRunner().invoke(main, ["reason", "q", "--gate-logprob", "0.5"])
+    assert result.exit_code == 2 and "gate_logprob" in result.output
+    result = CliRunner().invoke(main, ["reason", "q", "--policy", "arbitrage", "--router", str(tmp_path / "none.json")])
+    assert result.exit_code == 2 and "unknown router" in result.output
+    # run and bench take them too; a bad one is an input error (exit 2) before any model loads
+    tasks = tmp_path / "t.jsonl"
+    tasks.write_text('{"id": "a", "question": "q", "answer": "1"}\n')
+    result = CliRunner().invoke(main, ["run", str(tasks), "-o", str(tmp_path / "r.jsonl"), "--gate-logprob", "1"])
+    assert result.exit_code == 2 and "gate_logprob" in result.output

@@ -73,7 +73,11 @@ async def own_confidence(model: LanguageModel, messages: list[dict[str, str]], c
             texts = None
         if texts is not None:
             return draft_confidence([TokenScore(t, lp, lp) for t, lp in zip(texts, logprobs)])
-    own = await model.continuation_scores(step_prompt(model, messages), step) if step.strip() else []
+    try:
+        own = await model.continuation_scores(step_prompt(model, messages), step) if step.strip() else []
+    except NotImplementedError:
+        raise ValueError(f"gate_logprob needs the small model's token log-probabilities: {model.name} returns none "
+                         "with its generations and cannot score a continuation") from None
     return draft_confidence(own)
 
 

@@ -42,7 +42,11 @@ def _shown(option: str, policy: str = "specreason") -> str:
 @click.option("--first-large", "first_large_steps", type=int, default=None,
               help=f"specreason: the first N steps go to the large model {_shown('first_large_steps')}.")
 @click.option("--router", default=None,
-              help=f"arbitrage: 'heuristic' or a trained router JSON {_shown('router', 'arbitrage')}.")
+              help=f"arbitrage: 'trained', 'heuristic' or a router JSON {_shown('router', 'arbitrage')}.")
+@click.option("--pre-router", default=None, help="specreason: a router (as --router) that hands steps to the large "
+              "model before they are drafted [none].")
+@click.option("--gate-logprob", type=float, default=None, help="specreason: keep a draft unchecked when every token "
+              "with digits has at least this log-probability under the small model [every draft is checked].")
 @click.option("--pairs", "pairs_path", type=click.Path(dir_okay=False, path_type=Path), default=None, help="collect: JSONL file to append step pairs to.")
 @click.option("--max-steps", type=int, default=default("steps.max_steps"), show_default=True)
 @click.option("--max-tokens", type=int, default=default("steps.max_tokens"), show_default=True)
