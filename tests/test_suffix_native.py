@@ -163,6 +163,84 @@ def test_wide_nodes_and_count_orders_agree() -> None:
     assert (py.num_nodes, py._order_entries) == (nt.num_nodes, nt._order_entries)
 
 
+def structure(tree: SuffixTree) -> tuple:
+    """The reference tree as the native `_structure()` gives it: per node (edge tokens, count, last, prev,
+    position of `best` among the children, [children in order], count order as [(count, [positions])])."""
+
+    def walk(node) -> tuple:
+        kids = list(node.children.values()) if node.children else []
+        at = {id(c): i for i, c in enumerate(kids)}
+        best = at[id(node.best)] if node.best is not None else -1
+        order = tree._orders.get(node)
+        if order is not None:
+            order = tuple((k, tuple(at[id(c)] for c in order.groups[k])) for k in sorted(order.groups))
+        edge = tuple(node.seq[node.start:node.start + node.length])
+        return (edge, node.count, node.last, node.prev, best, tuple(walk(c) for c in kids), order)
+
+    return walk(tree.root)
+
+
+def as_tuples(x):
+    return tuple(as_tuples(y) for y in x) if isinstance(x, (list, tuple)) else x
+
+
+@pytest.mark.parametrize("block", range(2))
+def test_trees_agree_node_for_node(block: int) -> None:
+    """Both trees node for node (counts, `best`, children order, count orders) after every step.
+
+    A motif repeated inside and across sequences makes long shared edges that end in wide nodes:
+    appending walks through them (a split, then the merge back, which the native tree does the
+    other way round when the lower node is wide), with several live sequences and removals between.
+    """
+    for seed in range(block * 25, block * 25 + 25):
+        rng = random.Random(seed)
+        vocab = rng.choice([2, 3, 50, 400])
+        depth = rng.choice([3, 4, 8, 16])
+        py, nt = SuffixTree(depth), native.SuffixTree(depth)
+        motif = [rng.randrange(vocab) for _ in range(rng.randrange(2, 10))]
+        live: dict[int, list[int]] = {}
+        done: dict[int, list[int]] = {}
+        next_id = 0
+        for _ in range(150):
+            op = rng.random()
+            if op < 0.5:
+                seq: list[int] = []
+                while len(seq) < rng.randrange(2, 30):
+                    seq += motif if rng.random() < 0.5 else [rng.randrange(vocab)]
+                if live and rng.random() < 0.5:
+                    sid = rng.choice(list(live))
+                    py.extend(sid, seq)
+                    nt.extend(sid, seq)
+                    live[sid] += seq
+                else:
+                    py.add(next_id, seq)
+                    nt.add(next_id, seq)
+                    done[next_id] = seq
+                    next_id += 1
+            elif op < 0.6:
+                first = [rng.randrange(vocab)]
+                py.extend(next_id, first)
+                nt.extend(next_id, first)
+                live[next_id] = first
+                next_id += 1
+            elif op < 0.65 and live:
+                sid = rng.choice(list(live))
+                py.finish(sid)
+                nt.finish(sid)
+                done[sid] = live.pop(sid)
+            elif done:
+                sid = rng.choice(list(done))
+                py.remove(sid)
+                nt.remove(sid)
+                del done[sid]
+            assert (py.num_nodes, py._order_entries) == (nt.num_nodes, nt._order_entries)
+            assert structure(py) == as_tuples(nt._structure()), seed
+        for sid in live:  # the live sequences' cursors, through the drafts they give
+            pp, npos = py.live_positions(sid), nt.live_positions(sid)
+            assert len(pp) == len(npos)
+            same_draft(py.speculate(pp, 8, 2.0, 1.0, 0.1, True), nt.speculate(npos, 8, 2.0, 1.0, 0.1, True))
+
+
 @pytest.mark.slow
 def test_trees_agree_at_length() -> None:
     for seed in range(1000, 1600):

@@ -2,6 +2,8 @@
 
 #include "suffix_tree.hpp"
 
+#include <functional>
+
 #include <algorithm>
 
 namespace thinkahead_suffix {
@@ -196,6 +198,40 @@ PYBIND11_MODULE(_suffix_native, m) {
         d["child_table_entries"] = static_cast<int64_t>(t.wide_.size());
         d["count_orders"] = t.olinks_.bytes() + static_cast<int64_t>(t.orders_.size()) * 96;
         return d;
+      })
+      .def("_structure", [](NativeSuffixTree& t) {
+        // The whole tree, for tests against the reference: per node (edge tokens, count, last, prev,
+        // position of `best` among the children or -1, [children in order], count order or None), the
+        // count order as [(count, [children positions in group order])] sorted by count.
+        std::function<py::tuple(int32_t)> walk = [&](int32_t n) -> py::tuple {
+          const Node& nd = t.N(n);
+          std::vector<int32_t> edge;
+          if (nd.buf >= 0) edge.assign(t.bufs_[nd.buf].t.begin() + nd.start, t.bufs_[nd.buf].t.begin() + nd.start + nd.length);
+          std::unordered_map<int32_t, int32_t> at;
+          py::list kids;
+          int32_t best = -1;
+          for (int32_t c = nd.first; c != NIL; c = t.N(c).next) {
+            if (c == nd.best) best = static_cast<int32_t>(at.size());
+            at[c] = static_cast<int32_t>(at.size());
+            kids.append(walk(c));
+          }
+          py::object order = py::none();
+          if (const Order* o = t.order_of(n)) {
+            std::vector<int32_t> counts;
+            for (const auto& [k, g] : o->groups) counts.push_back(k);
+            std::sort(counts.begin(), counts.end());
+            py::list groups;
+            for (int32_t k : counts) {
+              py::list members;
+              for (int32_t c = o->groups.at(k).head; c != NIL; c = t.olinks_.find(static_cast<uint32_t>(c))->next)
+                members.append(at.at(c));
+              groups.append(py::make_tuple(k, members));
+            }
+            order = groups;
+          }
+          return py::make_tuple(to_list(edge), nd.count, nd.last, nd.prev, best, kids, order);
+        };
+        return walk(t.root_);
       });
 
   py::class_<Sources>(m, "Sources", "The four source drafts of one CombinedDrafter proposal, kept native.")

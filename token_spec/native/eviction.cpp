@@ -138,6 +138,10 @@ void NativeSuffixTree::merge(int32_t node, int32_t child, std::vector<int32_t>& 
 int32_t NativeSuffixTree::new_best(int32_t node, int32_t child, int32_t old, Order* order) {
   if (!order) {
     if (N(node).nch < WIDE_CHILDREN) {
+      // child is still a child (old > 1), at old - 1. The others' counts, each at least 1, add up to at most
+      // node.count - (old - 1), so none exceeds that less one per other sibling: when that is below
+      // old - 1, child is the only highest and the scan can be skipped.
+      if (old > 1 && N(node).count - (old - 1) - (N(node).nch - 2) < old - 1) return child;
       int32_t best = NIL;
       for (int32_t c = N(node).first; c != NIL; c = N(c).next)
         if (best == NIL || N(c).count > N(best).count) best = c;

@@ -77,6 +77,9 @@ struct Order {  // suffix_eviction.CountOrder: children grouped by count, each g
 struct Live {
   int32_t buf;
   std::vector<int32_t> cursors;
+  // The parent of each cursor's node when it was reached (NIL: unknown, e.g. after a redirect). A hint
+  // only: a split or merge elsewhere can make it stale, so it is checked before use (absorb_into_child).
+  std::vector<int32_t> parents;
 };
 
 // Python's float(sum(probs)) for this interpreter: plain left-to-right before 3.12, Neumaier after.
@@ -136,7 +139,7 @@ class NativeSuffixTree {
   std::unordered_map<int64_t, int32_t> done_;
   int32_t root_;
   int64_t stored_tokens_ = 0;  // tokens held in buffers (for memory_bytes)
-  std::vector<int32_t> advanced_;
+  std::vector<int32_t> advanced_, advanced_parents_, merged_;  // append's scratch space
 
   Node& N(int32_t i) { return nodes_[i]; }
   void erase_index(int32_t n) {  // drop a wide node's entries (its children list still intact)
@@ -208,6 +211,7 @@ class NativeSuffixTree {
     if (N(i).nch >= WIDE_INDEX) erase_index(i);
     N(i).nch = 0;
     N(i).first = NIL;
+    N(i).best = NIL;
     free_nodes_.push_back(i);
   }
 
@@ -215,6 +219,9 @@ class NativeSuffixTree {
   int32_t find(int32_t n, int32_t token) {
     const Node& nd = nodes_[n];
     if (nd.nch >= WIDE_INDEX) return wide_.get(n, token);
+    if (nd.nch == 0) return NIL;  // (a freed or emptied node's `best` is stale)
+    // The most frequent child first: insertion and removal mostly follow it (and it saves a walk of the list).
+    if (nd.best != NIL && nodes_[nd.best].token == token) return nd.best;
     for (int32_t c = nd.first; c != NIL; c = nodes_[c].next)
       if (nodes_[c].token == token) return c;
     return NIL;
@@ -331,6 +338,16 @@ class NativeSuffixTree {
     auto it = o.groups.find(count);
     return it == o.groups.end() ? NIL : it->second.head;
   }
+  void ord_replace(Order& o, int32_t old, int32_t c, int32_t count) {  // c takes old's place in its group
+    const Link lk = *olinks_.find(old);
+    olinks_.erase(old);
+    olinks_[c] = lk;
+    Group& g = o.groups.find(count)->second;
+    if (lk.prev == NIL) g.head = c;
+    else olinks_[lk.prev].next = c;
+    if (lk.next == NIL) g.tail = c;
+    else olinks_[lk.next].prev = c;
+  }
   void drop_order(int32_t n) {  // del orders[n]: unlink its members
     for (int32_t c = N(n).first; c != NIL; c = N(c).next) olinks_.erase(c);
     orders_.erase(n);
@@ -364,6 +381,10 @@ class NativeSuffixTree {
   void finish(int64_t sid);
 
   void append(Live& live, int32_t token);
+
+  // The merge of `node` (whose parent is `parent`) with its only child `child`, done the other way round:
+  // `child` takes node's edge tokens and its place among parent's children; `node` is left childless.
+  void absorb_into_child(int32_t parent, int32_t node, int32_t child);
 
   // Other live sequences' cursors at `old` (merged into `from`, which now ends there) move to `to`.
   void redirect(int32_t old, int32_t to);

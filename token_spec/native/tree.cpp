@@ -13,7 +13,7 @@ void NativeSuffixTree::extend_vec(int64_t sid, const std::vector<int32_t>& toks)
   if (it == live_.end()) {
     int32_t b = new_buf();
     ref(b);
-    it = live_.emplace(sid, Live{b, {}}).first;
+    it = live_.emplace(sid, Live{b, {}, {}}).first;
   }
   Live& live = it->second;
   bufs_[live.buf].t.reserve(bufs_[live.buf].t.size() + toks.size());
@@ -36,25 +36,41 @@ void NativeSuffixTree::append(Live& live, int32_t token) {
   bufs_[sb].t.push_back(token);
   const int32_t root = root_;
   N(root).count += 1;
-  std::vector<int32_t>& adv = advanced_;
-  adv.clear();
   live.cursors.push_back(root);
-  std::vector<int32_t> merged;  // freed after the step (the reference drops them to the GC)
+  live.parents.push_back(NIL);
+  const size_t ncur = live.cursors.size();
+  // The next cursors and their parents (at most one per cursor), written in place: no push_back per step.
+  std::vector<int32_t>& adv = advanced_;
+  std::vector<int32_t>& adv_par = advanced_parents_;
+  adv.resize(ncur);
+  adv_par.resize(ncur);
+  int32_t* out = adv.data();
+  int32_t* out_par = adv_par.data();
+  size_t m = 0;
+  auto advance = [&](int32_t to, int32_t parent) {
+    out[m] = to;
+    out_par[m] = parent;
+    ++m;
+  };
+  std::vector<int32_t>& merged = merged_;  // freed after the step (the reference drops them to the GC)
+  merged.clear();
   const bool any_orders = !orders_.empty();
-  for (int32_t node : live.cursors) {
+  const int32_t* cur = live.cursors.data();
+  for (size_t k = 0; k < ncur; ++k) {
+    const int32_t node = cur[k];
     if (N(node).nch == 0) {
       Node& nd = N(node);
       if (nd.count == 1 && nd.buf == sb && nd.start + nd.length == index) {
         nd.length += 1;
         nd.last = index;
-        adv.push_back(node);
+        advance(node, live.parents[k]);
         continue;
       }
       int32_t leaf = new_node(sb, index, 1, 1, index);
       append_child(node, leaf);
       N(node).best = leaf;
       num_nodes_ += 1;
-      adv.push_back(leaf);
+      advance(leaf, node);
       continue;
     }
     int32_t child = find(node, token);
@@ -68,7 +84,7 @@ void NativeSuffixTree::append(Live& live, int32_t token) {
         }
       }
       num_nodes_ += 1;
-      adv.push_back(leaf);
+      advance(leaf, node);
       continue;
     }
     if (N(child).length > 1) {
@@ -83,7 +99,7 @@ void NativeSuffixTree::append(Live& live, int32_t token) {
         single_child(node, child);
         nd.prev = c.last - c.length;
         nd.last = index;
-        adv.push_back(node);
+        advance(node, live.parents[k]);
         continue;
       }
       int32_t upper = new_node(N(child).buf, N(child).start, 1, N(child).count, -1);
@@ -119,30 +135,63 @@ void NativeSuffixTree::append(Live& live, int32_t token) {
     int32_t best = nd.best;
     if (best != child && c.count > N(best).count) nd.best = child;
     if (node != root && nd.count == c.count && nd.nch == 1 && c.buf == nd.buf && nd.start + nd.length == c.start) {
+      // node and child merge into one edge. The reference keeps `node`; where child is wide that would
+      // re-key all of child's entries in the child table, so child survives instead, in node's place
+      // (the same tree: the survivor's index is not observable). Needs node's parent, checked first.
+      const int32_t parent = live.parents[k];
+      num_nodes_ -= 1;
+      if (c.nch >= WIDE_INDEX && parent != NIL && find(parent, nd.token) == node) {
+        absorb_into_child(parent, node, child);
+        merged.push_back(node);
+        advance(child, parent);
+        continue;
+      }
       nd.length += c.length;
       take_children(node, child);
       nd.best = c.best;
       if (any_orders) move_order(child, node);
       nd.last = c.last;
       nd.prev = c.prev;
-      num_nodes_ -= 1;
       if (live_.size() > 1) redirect(child, node);
       merged.push_back(child);
-      adv.push_back(node);
+      advance(node, parent);
       continue;
     }
-    adv.push_back(child);
+    advance(child, node);
   }
-  if (static_cast<int>(adv.size()) >= max_depth_) adv.erase(adv.begin());
+  adv.resize(m);
+  adv_par.resize(m);
+  if (static_cast<int>(m) >= max_depth_) {
+    adv.erase(adv.begin());
+    adv_par.erase(adv_par.begin());
+  }
   live.cursors.swap(adv);
+  live.parents.swap(adv_par);
   for (int32_t m : merged) free_node(m);
+}
+
+void NativeSuffixTree::absorb_into_child(int32_t parent, int32_t node, int32_t child) {
+  Node& nd = N(node);
+  Node& c = N(child);
+  c.start = nd.start;  // the same buffer, node's tokens just before child's
+  c.length += nd.length;
+  c.token = nd.token;
+  replace_child(parent, node, child);
+  if (N(parent).best == node) N(parent).best = child;
+  if (Order* o = order_of(parent)) ord_replace(*o, node, child, N(child).count);
+  N(node).first = NIL;  // its one child moved up: free_node has no index entries to drop
+  N(node).nch = 0;
+  N(node).best = NIL;
 }
 
 // Other live sequences' cursors at `old` (merged into `from`, which now ends there) move to `to`.
 void NativeSuffixTree::redirect(int32_t old, int32_t to) {
   for (auto& [sid, lv] : live_)
-    for (auto& c : lv.cursors)
-      if (c == old) c = to;
+    for (size_t k = 0; k < lv.cursors.size(); ++k)
+      if (lv.cursors[k] == old) {
+        lv.cursors[k] = to;
+        lv.parents[k] = NIL;  // unknown
+      }
 }
 
 bool NativeSuffixTree::step(int32_t node, int32_t off, int32_t token, std::pair<int32_t, int32_t>& out) {
@@ -234,7 +283,7 @@ int64_t NativeSuffixTree::memory_bytes() const {
   b += static_cast<int64_t>(bufs_.size() - free_bufs_.size()) * static_cast<int64_t>(sizeof(Buf));
   b += wide_.bytes();
   b += olinks_.bytes() + static_cast<int64_t>(orders_.size()) * 96;
-  for (const auto& [k, lv] : live_) b += 64 + static_cast<int64_t>(lv.cursors.size()) * 4;
+  for (const auto& [k, lv] : live_) b += 64 + static_cast<int64_t>(lv.cursors.size()) * 8;  // cursors and their parents
   b += static_cast<int64_t>(done_.size()) * 32;
   return b;
 }
