@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import itertools
+import zlib
 
 import pytest
+
 import torch
 from scipy.stats import chisquare
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -93,7 +95,7 @@ DRAFTS = {
 @pytest.mark.parametrize("kind", ["chain", "tree", "q-chain"])
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_p=0.9)])
 def test_verify_sampling_matches_target_distribution(kind, params) -> None:
-    first, second = synthetic_target(seed=hash(kind) % 1000)
+    first, second = synthetic_target(seed=zlib.crc32(kind.encode()) % 1000)  # str hash() differs per process
     gen = torch.Generator().manual_seed(1234)
     n = 4000
     counts: dict = {}

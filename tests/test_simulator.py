@@ -13,6 +13,34 @@ def test_accepted_prefix_chain_and_tree() -> None:
     tree = Draft(token_ids=[1, 5, 2, 6], parents=[-1, -1, 0, 1], probs=[1.0] * 4)
     assert accepted_prefix(tree, [5, 6, 7]) == 2
     assert accepted_prefix(tree, [1, 2]) == 2
+    assert accepted_prefix(tree, [9, 5, 6, 7], start=1) == 2  # from an offset, without slicing
+    assert accepted_prefix(tree, [5, 6], start=2) == 0  # nothing left to match
+
+
+def test_accepted_prefix_follows_the_first_matching_child_as_the_verifier_does() -> None:
+    """The one-pass walk agrees with a walk over each node's children (verify_greedy's order) on random trees."""
+    import random
+
+    from thinkahead.token_spec.verify import children_of
+
+    def by_children(draft: Draft, actual: list[int]) -> int:
+        children = children_of(draft.parents)
+        node, n = -1, 0
+        while n < len(actual):
+            nxt = next((c for c in children.get(node, ()) if draft.token_ids[c] == actual[n]), None)
+            if nxt is None:
+                break
+            node, n = nxt, n + 1
+        return n
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        size = rng.randint(0, 12)
+        draft = Draft(token_ids=[rng.randint(0, 3) for _ in range(size)],
+                      parents=[rng.randint(-1, i - 1) for i in range(size)])
+        actual = [rng.randint(0, 3) for _ in range(rng.randint(0, 8))]
+        start = rng.randint(0, 3)
+        assert accepted_prefix(draft, actual, start) == by_children(draft, actual[start:]), (draft, actual, start)
 
 
 def test_repeated_outputs_are_drafted_from_the_global_tree() -> None:

@@ -20,13 +20,15 @@ previous turn's index instead of rebuilding it over the whole prompt.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Hashable, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Hashable, Protocol, Sequence, runtime_checkable
 
-import torch
 from thinkahead.token_spec.draft import Draft
 from thinkahead.token_spec.names import common_prefix_len
 from thinkahead.token_spec.suffix_cache import SuffixCache, prompt_extension
 from thinkahead.token_spec.verify import SamplingParams, target_probs
+
+if TYPE_CHECKING:  # only DraftModelDrafter handles tensors: imported there
+    import torch
 
 
 @runtime_checkable
@@ -233,6 +235,8 @@ class DraftModelDrafter:
         self._sessions: dict[Hashable, object] = {}
         self._fed: dict[Hashable, list[int]] = {}  # tokens whose K/V are in the draft session
         self._params: dict[Hashable, SamplingParams] = {}
+        import torch
+
         self._generator = torch.Generator().manual_seed(seed)
 
     def start(
@@ -244,6 +248,8 @@ class DraftModelDrafter:
         self._params[rid] = params
 
     def propose(self, rid: Hashable, context: Sequence[int], budget: int) -> Draft:
+        import torch
+
         session = self._sessions.get(rid)
         if session is None:
             raise ValueError(f"request {rid!r} was not started")

@@ -6,8 +6,9 @@ same drafter, controller and budgets everywhere.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from thinkahead.token_spec.controller import AdaptiveController, FixedController, MatchLengthController
-from thinkahead.token_spec.decoder import SpeculativeDecoder
 from thinkahead.token_spec.names import DRAFTER_KINDS, MODEL_DRAFT_KINDS, MODEL_FREE_KINDS, check_drafter
 from thinkahead.token_spec.drafters import (
     CombinedDrafter,
@@ -16,8 +17,11 @@ from thinkahead.token_spec.drafters import (
     PromptLookupDrafter,
     SuffixDrafter,
 )
-from thinkahead.token_spec.prefix_pool import KVPrefixPool
 from thinkahead.token_spec.suffix_cache import SuffixCache
+
+if TYPE_CHECKING:  # the decoder (and the KV pool it reuses) only where one is built: `simulate` needs neither
+    from thinkahead.token_spec.decoder import SpeculativeDecoder
+    from thinkahead.token_spec.prefix_pool import KVPrefixPool
 
 __all__ = ["DRAFTER_KINDS", "MODEL_FREE_KINDS", "build_decoder", "model_free_drafter"]
 
@@ -56,6 +60,8 @@ def build_decoder(
     `cache` is the shared suffix cache (a fresh one if None); `prefix_pool` lets prompts that
     extend an earlier one reuse its KV.
     """
+    from thinkahead.token_spec.decoder import SpeculativeDecoder
+
     check_drafter(kind)
     if kind in MODEL_DRAFT_KINDS and draft_engine is None:
         raise ValueError(f"drafter {kind!r} needs a draft model engine")

@@ -21,7 +21,6 @@ import time
 
 from thinkahead.token_spec.draft import Draft
 from thinkahead.token_spec.suffix_cache import SuffixCache
-from thinkahead.token_spec.verify import SamplingParams, children_of
 
 
 @dataclass(slots=True)
@@ -64,16 +63,23 @@ class ReplayStats:
 _request_ids = itertools.count()
 
 
-def accepted_prefix(draft: Draft, actual: Sequence[int]) -> int:
-    """Draft tokens a greedy verifier keeps when the target would produce `actual`."""
-    children = children_of(draft.parents)
-    node, n = -1, 0
-    while n < len(actual):
-        nxt = next((c for c in children.get(node, ()) if draft.token_ids[c] == actual[n]), None)
-        if nxt is None:
+def accepted_prefix(draft: Draft, actual: Sequence[int], start: int = 0) -> int:
+    """Draft tokens a greedy verifier keeps when the target would produce `actual[start:]`.
+
+    At each node the first child (in draft order) whose token matches is followed, as
+    `verify_greedy` does. Parents precede their children, so one pass over the draft finds
+    them all: the next node on the path is the first later node whose parent is the current
+    one and whose token is the next actual token.
+    """
+    ids, parents = draft.token_ids, draft.parents
+    end = len(actual)
+    node, pos = -1, start
+    for i in range(len(ids)):
+        if pos >= end:
             break
-        node, n = nxt, n + 1
-    return n
+        if parents[i] == node and ids[i] == actual[pos]:
+            node, pos = i, pos + 1
+    return pos - start
 
 
 def replay(
@@ -98,7 +104,7 @@ def replay(
             t0 = clock()
             draft = cache.speculate(rid, context, max_tokens, max_spec_factor, max_spec_offset, min_token_prob, tree)
             stats.speculate_s.append(clock() - t0)
-            hit = accepted_prefix(draft, output[pos:])
+            hit = accepted_prefix(draft, output, pos)
             new = list(output[pos:pos + hit + 1])
             stats.proposed_tokens += len(draft)
             stats.accepted_tokens += min(hit, len(new))
@@ -195,9 +201,14 @@ def replay_sessions(
     """
     if max_tokens < 0:
         raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+    # here, not at the top: verify loads torch (for the model-facing checks), which a replay does not need
+    from thinkahead.token_spec.verify import SamplingParams
+
     stats = stats or SessionReplayStats()
     clock = time.perf_counter
     params = SamplingParams()
+    propose, observe = drafter.propose, drafter.observe
+    propose_s, observe_s = stats.propose_s, stats.observe_s
     for session in sessions:
         session_id = (tag, "session", next(_request_ids))  # unique: a reused id would continue another replay
         previous: list[int] = []
@@ -218,21 +229,25 @@ def replay_sessions(
             stats.update_prompt_tokens.append(len(prompt))
             stats.update_new_tokens.append(new_tokens)
             context = list(prompt)
-            pos = steps = 0
-            while pos < len(output):
+            pos = steps = proposed = accepted = 0
+            end = len(output)
+            while pos < end:
                 t0 = clock()
-                draft = drafter.propose(rid, context, max_tokens)
-                stats.propose_s.append(clock() - t0)
-                hit = accepted_prefix(draft, output[pos:])
+                draft = propose(rid, context, max_tokens)
+                t1 = clock()
+                hit = accepted_prefix(draft, output, pos)  # at most end - pos: all of it is committed
                 new = output[pos:pos + hit + 1]
-                stats.proposed_tokens += len(draft)
-                stats.accepted_tokens += min(hit, len(new))
-                t0 = clock()
-                drafter.observe(rid, new, draft)
-                stats.observe_s.append(clock() - t0)
+                proposed += len(draft)
+                accepted += hit
+                t2 = clock()
+                observe(rid, new, draft)
+                observe_s.append(clock() - t2)
+                propose_s.append(t1 - t0)
                 context += new
                 pos += len(new)
                 steps += 1
+            stats.proposed_tokens += proposed
+            stats.accepted_tokens += accepted
             t0 = clock()
             drafter.finish(rid)
             stats.finish_s.append(clock() - t0)

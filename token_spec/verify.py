@@ -18,8 +18,10 @@ after draft node i. Verification walks down the draft tree from the root:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where a tensor is handled: the replay simulator never needs it
+    import torch
 
 from thinkahead.token_spec.draft import Draft
 
@@ -56,6 +58,8 @@ class Acceptance:
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Rows of logits -> the target's sampling distributions (temperature, top-k, top-p)."""
+    import torch
+
     logits = logits.float() / params.temperature
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
@@ -100,6 +104,8 @@ def verify_sampling(
     generator: torch.Generator | None = None,
 ) -> Acceptance:
     """Recursive rejection sampling over the draft tree (lossless for any proposal)."""
+    import torch
+
     probs = target_probs(logits, params)
     q = draft.q
     children = children_of(draft.parents)
@@ -135,4 +141,6 @@ def verify_sampling(
 
 
 def _uniform(generator: torch.Generator | None) -> float:
+    import torch
+
     return float(torch.rand((), generator=generator))
