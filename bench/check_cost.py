@@ -6,9 +6,7 @@ For one GSM8K train problem and the reasoning steps recorded for it in bench/res
 - a large-model decode step (plain greedy, a warm KV cache): the unit the target is stated in;
 - the raw forward of k new tokens on top of a cached prefix, for several k (the verify pass itself);
 - each verifier's check of the draft, cold (nothing cached) and warm (the large model's KV already
-  holds the problem and the earlier steps, as it does inside a run), with the tokens it prefilled;
-- every check inside a real run (`specreason --judge agreement` on the same problem, in the same
-  process): its time, the step's tokens and the tokens the large model prefilled for it.
+  holds the problem and the earlier steps, as it does inside a run), with the tokens it prefilled.
 
     python bench/check_cost.py                 # writes bench/results/check_cost.json
 """
@@ -116,31 +114,7 @@ async def measure(args: argparse.Namespace) -> dict:
             checks[f"{name}_{state}"] = {"s": statistics.median(times), "prefilled_tokens": max(prefilled),
                                          "vs_decode_step": statistics.median(times) / out["decode_step_s"]}
     out["checks"] = checks
-    out["in_run"] = await in_run_checks(args, task.inputs["question"], large)
     return out
-
-
-async def in_run_checks(args: argparse.Namespace, question: str, large) -> list[dict]:
-    """Each agreement check of a real specreason run: seconds, step tokens, tokens prefilled."""
-    from thinkahead.models import LocalModel
-    from thinkahead.step_spec.loop import StepLoop
-    from thinkahead.step_spec.specreason import SpecReason
-    from thinkahead.verifiers.agreement import AgreementVerifier
-
-    rows: list[dict] = []
-
-    class Counting(AgreementVerifier):
-        async def judge(self, messages, step):
-            n0 = large.engine.forwarded_tokens
-            verdict = await super().judge(messages, step)
-            rows.append({"s": verdict.time_s, "step_tokens": len(large.encode(step)),
-                         "prefilled_tokens": large.engine.forwarded_tokens - n0, "accept": verdict.accept})
-            return verdict
-
-    small = LocalModel(args.small, dtype=args.dtype)
-    large.prefix_pool.clear()
-    await StepLoop(small, large, SpecReason(verifier=Counting(large))).run(question)
-    return rows
 
 
 def main() -> None:
@@ -149,7 +123,6 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--problem", type=int, default=0, help="GSM8K train problem with recorded steps")
     ap.add_argument("--step", type=int, default=2, help="which recorded step is the draft to check")
-    ap.add_argument("--small", default=default("small.spec"))
     ap.add_argument("--large", default=default("large.spec"))
     ap.add_argument("--dtype", default=default("large.dtype"))
     ap.add_argument("--k", type=int, nargs="+", default=[1, 4, 8, 16, 34, 64])
