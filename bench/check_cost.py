@@ -35,9 +35,10 @@ def cpu_flags() -> str:
 
 def kept_steps(problem_id: str) -> list[str]:
     """The steps a collect run kept for `problem_id` (the better-judged of each pair, small on ties)."""
-    rows = [json.loads(line) for line in PAIRS.read_text().splitlines() if line.strip()]
-    rows = sorted((r for r in rows if r["problem_id"] == problem_id), key=lambda r: r["step_index"])
-    return [r["small_text"] if r["small_score"] >= r["large_score"] else r["large_text"] for r in rows]
+    from thinkahead.verifiers.router_pairs import read_pairs
+
+    pairs = sorted((p for p in read_pairs(PAIRS) if p.problem_id == problem_id), key=lambda p: p.step_index)
+    return [p.kept_text for p in pairs]
 
 
 def timed(fn, repeat: int) -> list[float]:

@@ -33,6 +33,7 @@ async def label(args: argparse.Namespace) -> None:
     from thinkahead.evals.loaders import gsm8k_tasks
     from thinkahead.models import LocalModel
     from thinkahead.verifiers.router_labels import label_small_step
+    from thinkahead.verifiers.router_pairs import read_pairs
 
     pairs = [json.loads(line) for line in Path(args.pairs).read_text().splitlines() if line.strip()]
     out = Path(args.out)
@@ -47,9 +48,8 @@ async def label(args: argparse.Namespace) -> None:
     small = LocalModel(args.small, dtype=args.dtype)
     large = LocalModel(args.large, dtype=args.dtype)
     kept: dict[str, list[tuple[int, str]]] = {}
-    for p in sorted(pairs, key=lambda p: (p["problem_id"], p["step_index"])):
-        text = p["small_text"] if p["small_score"] >= p["large_score"] else p["large_text"]
-        kept.setdefault(p["problem_id"], []).append((p["step_index"], text))
+    for p in sorted(read_pairs(args.pairs), key=lambda p: (p.problem_id, p.step_index)):
+        kept.setdefault(p.problem_id, []).append((p.step_index, p.kept_text))
     for p in todo:
         t0 = time.perf_counter()
         reasoning = "".join(text for i, text in kept[p["problem_id"]] if i < p["step_index"])

@@ -29,8 +29,8 @@ from thinkahead.step_spec.base import (
     write_step,
 )
 from thinkahead.step_spec.state import StepContext, StepOutcome
-from thinkahead.verifiers.agreement import AgreementVerifier
-from thinkahead.verifiers.judge import LLMJudge, Verdict
+from thinkahead.verifiers.judge import LLMJudge
+from thinkahead.verifiers.router_labels import agreement_label
 
 try:  # whole-line appends across processes; within one process the lock below suffices
     import fcntl
@@ -137,30 +137,20 @@ class CollectRun:
         small, large = await write_step(ctx, "small"), await write_step(ctx, "large")
         messages = ctx.messages()
         small_v, large_v = await self.judge.judge(messages, small.step.text), await self.judge.judge(messages, large.step.text)
-        check = await agreement_label(ctx, messages, small.step.text)
-        append_pairs(self.options.pairs_path, [PairedStep(
+        labelled = await agreement_label(ctx.large, messages, small.step.text)
+        pair = PairedStep(
             problem_id=self.options.problem_id, step_index=ctx.index, features=features,
             small_text=small.step.text, large_text=large.step.text,
-            small_score=small_v.score, large_score=large_v.score,
-            small_fails=None if check is None else not check.accept,
-            small_gap=None if check is None else float(check.details.get("worst_gap", 0.0)),
-        )])
-        keep, drop, score = (small, large, small_v.score) if small_v.score >= large_v.score else (large, small, large_v.score)
-        checks = 2 + (0 if check is None else check.judge_calls)
+            small_score=small_v.score, large_score=large_v.score, **(labelled[0] if labelled else {}),
+        )
+        append_pairs(self.options.pairs_path, [pair])
+        keep, drop, score = (small, large, small_v.score) if pair.small_kept else (large, small, large_v.score)
+        checks = 2 + (0 if labelled is None else labelled[1].judge_calls)
         out = discard(outcome(keep, "collected", score=score, judge_calls=checks), drop)
         out.time_s = time.perf_counter() - t0
         return out
 
     async def close(self) -> None:
-        return None
-
-
-async def agreement_label(ctx: StepContext, messages: list[dict[str, str]], step: str) -> Verdict | None:
-    """The large model's agreement check of the small model's step (the "agreement" label rule), or
-    None where the large model's backend cannot score a continuation."""
-    try:
-        return await AgreementVerifier(ctx.large).judge(messages, step)
-    except NotImplementedError:
         return None
 
 

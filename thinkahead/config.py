@@ -28,6 +28,7 @@ from thinkahead.orchestrator.budget import RetryPolicy, RunBudget
 from thinkahead.step_spec.loop import StepBudget
 from thinkahead.step_spec.policies import PolicySettings
 from thinkahead.step_spec.segment import SegmentConfig
+from thinkahead.token_spec.names import MAX_DRAFT
 
 # A run's wall-clock deadline unless `budget.max_wall_s` says otherwise (`null`: none). Runs of the
 # local models take seconds to a few minutes; each model call is bounded too, by its backend's
@@ -52,7 +53,7 @@ class ModelConfig(BaseModel, extra="forbid"):
     spec: str
     dtype: str = "int8"
     drafter: str = "suffix"
-    max_draft: int = Field(default=16, gt=0)
+    max_draft: int = Field(default=MAX_DRAFT, gt=0)
     tokenizer: str | None = Field(default=None, description="remote models: a model spec whose chat template to use")
     record: str | None = Field(default=None, description="local models: append every generation's token ids here")
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+MAX_DRAFT = 16  # draft tokens per verify round at most: the default of the config, LocalModel, build_decoder, simulate
+
 MODEL_FREE_KINDS = ("suffix", "suffix-tree", "prompt-lookup", "prompt-lookup-recent", "combined")
 MODEL_DRAFT_KINDS = ("draft-model", "hybrid")  # these need a second (draft) model
 DRAFTER_KINDS = (*MODEL_FREE_KINDS, *MODEL_DRAFT_KINDS, "none")

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from thinkahead.token_spec.controller import AdaptiveController, FixedController, MatchLengthController
-from thinkahead.token_spec.names import DRAFTER_KINDS, MODEL_DRAFT_KINDS, MODEL_FREE_KINDS, check_drafter
+from thinkahead.token_spec.names import DRAFTER_KINDS, MAX_DRAFT, MODEL_DRAFT_KINDS, MODEL_FREE_KINDS, check_drafter
 from thinkahead.token_spec.drafters import (
     CombinedDrafter,
     DraftModelDrafter,
@@ -51,7 +51,7 @@ def build_decoder(
     tokenizer=None,
     draft_engine=None,
     cache: SuffixCache | None = None,
-    max_draft: int = 16,
+    max_draft: int = MAX_DRAFT,
     prefix_pool: KVPrefixPool | None = None,
 ) -> SpeculativeDecoder:
     """A `SpeculativeDecoder` for drafter `kind` over `engine` (the target model).

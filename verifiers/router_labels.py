@@ -21,8 +21,10 @@ from typing import Any
 
 from thinkahead.models.base import Completion, LanguageModel, TokenScore
 from thinkahead.verifiers.base import step_prompt
+from thinkahead.verifiers.judge import Verdict
 
-__all__ = ["CONFIDENCE_NAMES", "DraftConfidence", "draft_confidence", "label_small_step", "own_confidence"]
+__all__ = ["CONFIDENCE_NAMES", "DraftConfidence", "agreement_label", "draft_confidence", "label_small_step",
+           "own_confidence"]
 
 LOW_PROB = math.log(0.5)  # a token the drafting model gave under even odds
 
@@ -81,16 +83,30 @@ async def own_confidence(model: LanguageModel, messages: list[dict[str, str]], c
     return draft_confidence(own)
 
 
+async def agreement_label(large: LanguageModel, messages: list[dict[str, str]], step: str,
+                          margin: float = 1.0) -> tuple[dict[str, Any], Verdict] | None:
+    """The "agreement" label of a small-model step: the large model's agreement check of it, as the
+    pair fields `small_fails` and `small_gap` (worst checked gap, nats), and the verdict; None where
+    the large model's backend cannot score a continuation."""
+    from thinkahead.verifiers.agreement import AgreementVerifier
+
+    try:
+        verdict = await AgreementVerifier(large, margin).judge(messages, step)
+    except NotImplementedError:
+        return None
+    return {"small_fails": not verdict.accept, "small_gap": float(verdict.details.get("worst_gap", 0.0))}, verdict
+
+
 async def label_small_step(small: LanguageModel, large: LanguageModel, messages: list[dict[str, str]], step: str,
                            margin: float = 1.0) -> dict[str, Any]:
     """The large model's agreement with `step` (written by `small` continuing `messages`) and the
-    small model's confidence in it: `small_fails`, `small_gap` (worst checked gap, nats),
-    `keep_chars`, and the `DraftConfidence` fields prefixed `conf_`."""
-    from thinkahead.verifiers.agreement import AgreementVerifier
-
-    verdict = await AgreementVerifier(large, margin).judge(messages, step)
-    row: dict[str, Any] = {"small_fails": not verdict.accept, "small_gap": float(verdict.details.get("worst_gap", 0.0)),
-                           "keep_chars": int(verdict.details.get("keep_chars", 0))}
+    small model's confidence in it: `agreement_label`'s fields, `keep_chars`, and the
+    `DraftConfidence` fields prefixed `conf_`."""
+    labelled = await agreement_label(large, messages, step, margin)
+    if labelled is None:
+        raise ValueError(f"{large.name} cannot score a continuation: no agreement label")
+    fields, verdict = labelled
+    row: dict[str, Any] = {**fields, "keep_chars": int(verdict.details.get("keep_chars", 0))}
     own = await small.continuation_scores(step_prompt(small, messages), step) if step.strip() else []
     row.update({f"conf_{k}": v for k, v in draft_confidence(own).to_dict().items()})
     return row

@@ -15,9 +15,7 @@ import json
 import math
 import os
 
-import numpy as np
 
-from thinkahead.verifiers.router import LogisticRouter
 from thinkahead.verifiers.router_features import RouterFeatures, is_number
 
 __all__ = ["PairedStep", "label", "read_pairs", "train_router", "write_pairs"]
@@ -59,6 +57,15 @@ class PairedStep:
             raise ValueError(f"small_fails must be a bool or null, got {self.small_fails!r}")
         if self.small_gap is not None and (not is_number(self.small_gap) or not math.isfinite(self.small_gap)):
             raise ValueError(f"small_gap must be a finite number or null, got {self.small_gap!r}")
+
+    @property
+    def small_kept(self) -> bool:
+        """Whether a collect run kept the small model's step: the better-judged one, the small one on ties."""
+        return self.small_score >= self.large_score
+
+    @property
+    def kept_text(self) -> str:
+        return self.small_text if self.small_kept else self.large_text
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-able dict (one JSONL line of `write_pairs`)."""

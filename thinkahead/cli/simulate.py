@@ -7,11 +7,7 @@ from pathlib import Path
 
 import click
 
-from thinkahead.token_spec.names import MODEL_FREE_KINDS
-
-# `default("small.max_draft")` of thinkahead.config, written out: importing the config models pulls in
-# pydantic and the orchestrator (~1 s) that a replay never uses. tests/test_cli_options.py checks they agree.
-MAX_DRAFT = 16
+from thinkahead.token_spec.names import MAX_DRAFT, MODEL_FREE_KINDS
 
 
 @click.command()

@@ -22,7 +22,7 @@ from thinkahead.models.base import (
     prompt_text, render_chat,
 )
 from thinkahead.models.streaming import TextPiece, TextStream
-from thinkahead.token_spec.names import common_prefix_len
+from thinkahead.token_spec.names import MAX_DRAFT, common_prefix_len
 from thinkahead.token_spec.recording import TokenRecorder
 
 # Chat-turn end markers of the supported families, used as stop tokens next to the eos token.
@@ -51,7 +51,7 @@ class LocalModel(LanguageModel):
         tokenizer: Any = None,
         dtype: str = "bfloat16",
         drafter: str = "suffix",
-        max_draft: int = 16,
+        max_draft: int = MAX_DRAFT,
         kv_sessions: int = 4,
         cache: Any = None,
         name: str | None = None,
