@@ -183,6 +183,10 @@ class MeteredModel(LanguageModel):
         self.inner, self.tier, self.meter, self.retry = inner, tier, meter, retry
         self.name = inner.name
 
+    @property
+    def scores_tokens(self) -> bool:
+        return self.inner.scores_tokens
+
     async def _call(self, fn, *args, judge: bool = False):
         delay = self.retry.backoff_s
         attempts = retries = 0

@@ -52,7 +52,7 @@ from thinkahead.orchestrator.trace import (
     jsonable,
 )
 from thinkahead.step_spec.loop import StepBudget, StepLoop
-from thinkahead.step_spec.policies import StepPolicy
+from thinkahead.step_spec.policies import StepPolicy, check_policy_models
 from thinkahead.step_spec.segment import SegmentConfig
 
 from thinkahead.models.base import GenerationRequest, LanguageModel
@@ -154,6 +154,7 @@ class Runtime:
     ) -> None:
         if concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+        check_policy_models(policy, small, large)
         self.models = {"small": small, "large": large}
         self.policy = policy
         self.segment = segment or SegmentConfig()

@@ -15,7 +15,7 @@ from typing import Any, ClassVar, Literal, Protocol, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from thinkahead.models.base import Completion, GenerationRequest
+from thinkahead.models.base import Completion, GenerationRequest, LanguageModel
 from thinkahead.step_spec.segment import Step, cut_step, stop_strings
 from thinkahead.step_spec.state import StepContext, StepOutcome, Tier
 
@@ -72,6 +72,13 @@ class StepPolicy(Protocol):
     def start(self, ctx: StepContext) -> PolicyRun: ...
 
 
+def check_policy_models(policy: Any, small: LanguageModel, large: LanguageModel) -> None:
+    """`policy.check_models(small, large)` where the policy has it (a user's policy object may not)."""
+    check = getattr(policy, "check_models", None)
+    if check is not None:
+        check(small, large)
+
+
 def is_step_policy(obj: object) -> bool:
     """Whether `obj` can step runs: a `StepPolicy` (`start(ctx)`), or an object written before
     `start` existed that has only `next_step(ctx)` (and keeps no per-run state)."""
@@ -97,6 +104,10 @@ class Policy:
         if options is not None and key in type(options).model_fields:
             return getattr(options, key)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {key!r}")
+
+    def check_models(self, small: LanguageModel, large: LanguageModel) -> None:
+        """Refuse (ValueError, naming the setting) a model pair these settings cannot run on; called
+        when a step loop or a runtime is built, before any step."""
 
     def start(self, ctx: StepContext) -> PolicyRun:
         return StatelessRun(self.decide)

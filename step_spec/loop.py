@@ -18,7 +18,7 @@ from typing import Any, AsyncIterator
 from pydantic import BaseModel, Field
 
 from thinkahead.models.base import GenerationRequest, LanguageModel
-from thinkahead.step_spec.base import PolicyRun, StatelessRun, StepPolicy
+from thinkahead.step_spec.base import PolicyRun, StatelessRun, StepPolicy, check_policy_models
 from thinkahead.step_spec.segment import SegmentConfig, has_final_answer, is_repeated
 from thinkahead.step_spec.state import TIERS, StepContext, StepOutcome, Tier, check_tier
 
@@ -84,6 +84,7 @@ class StepLoop:
     ) -> None:
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
+        check_policy_models(policy, small, large)
         self.small, self.large, self.policy = small, large, policy
         self.temperature, self.seed, self.session_id = temperature, seed, session_id
         self.segment = segment or SegmentConfig()

@@ -33,6 +33,7 @@ from thinkahead.step_spec.base import (
     StepPolicy,
     Written,
     discard,
+    check_policy_models,
     is_step_policy,
     outcome,
     with_reasoning,
@@ -149,6 +150,7 @@ PolicySettings.__doc__ = "The batch policies' settings in one model: `name` pick
 __all__ = [
     "ALL_POLICY_NAMES", "DEFAULT_POLICY", "JUDGES", "POLICIES", "POLICY_NAMES", "REPAIRS", "SCORE_MODES", "Arbitrage",
     "CollectPairs", "NoOptions", "Policy", "PolicyEntry", "PolicyOptions", "PolicyRun", "PolicySettings", "Reflect",
-    "SingleModel", "SpecReason", "StepPolicy", "Written", "build_policy", "discard", "is_step_policy", "make_policy",
+    "SingleModel", "SpecReason", "StepPolicy", "Written", "build_policy", "check_policy_models", "discard", "is_step_policy",
+    "make_policy",
     "outcome", "policy_entry", "router_features", "with_reasoning", "write_step",
 ]

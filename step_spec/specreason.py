@@ -48,6 +48,9 @@ from thinkahead.verifiers.router_labels import own_confidence
 Judge = Literal["llm", "agreement"]  # the 0-9 judge prompt, or token agreement
 Repair = Literal["step", "token"]  # after a failed agreement check: the large model finishes the step, or fixes one token
 JUDGES: tuple[str, ...] = get_args(Judge)
+# The confidence gate's default: picked on GSM8K train problems for 85% recall of the steps the 1.5B
+# model's agreement check fails (0.5B drafts; docs/results/router_eval.md); None checks every draft.
+DEFAULT_GATE_LOGPROB = -0.1
 REPAIRS: tuple[str, ...] = get_args(Repair)
 
 
@@ -56,7 +59,7 @@ class SpecReasonOptions(PolicyOptions):
 
     threshold: float = threshold_field()
     score_mode: ScoreMode = "greedy"
-    judge: Judge = Field(default="llm", description="the 0-9 judge prompt, or token agreement")
+    judge: Judge = Field(default="agreement", description="token agreement, or the 0-9 judge prompt")
     margin: float = Field(default=1.0, gt=0, lt=50, description="agreement: nats a checked token may trail the "
                           "large model's choice")
     word_margin: float | None = Field(default=None, gt=0, lt=50, description="agreement: the same for other tokens "
@@ -68,7 +71,7 @@ class SpecReasonOptions(PolicyOptions):
     first_large_steps: int = Field(default=0, ge=0, description="the first N steps go to the large model")
     pre_router: str | None = Field(default=None, description="a step router (name or path, as arbitrage's) that "
                                    "hands a step to the large model before the small model drafts it")
-    gate_logprob: float | None = Field(default=None, lt=0, description="keep a draft unchecked when every token "
+    gate_logprob: float | None = Field(default=DEFAULT_GATE_LOGPROB, lt=0, description="keep a draft unchecked when every token "
                                        "with digits has at least this log-probability under the small model")
     lookahead: bool = Field(default=False, description="draft the next step while this one is judged")
 
@@ -79,6 +82,18 @@ class SpecReasonOptions(PolicyOptions):
         if value not in choices:
             raise ValueError(f"specreason {info.field_name} must be one of {', '.join(choices)}, got {value!r}")
         return value
+
+
+def scoring_needs(options: SpecReasonOptions) -> dict[str, str]:
+    """The tiers whose model must score tokens under `options` -> the setting that needs it and how to
+    drop it: the agreement check reads the large model's scores, the confidence gate the small model's."""
+    needs = {}
+    if options.judge == "agreement":
+        needs["large"] = "judge 'agreement' needs token scores from the large model (judge 'llm' does not: --judge llm)"
+    if options.gate_logprob is not None:
+        needs["small"] = ("gate_logprob needs token log-probabilities from the small model (set it to null: "
+                          "--gate-logprob off)")
+    return needs
 
 
 class SpecReason(Policy):
@@ -98,6 +113,15 @@ class SpecReason(Policy):
         super().__init__(**options)
         self.verifier = verifier
         self.router = None if self.options.pre_router is None else load_router(self.options.pre_router)
+
+    def check_models(self, small: LanguageModel, large: LanguageModel) -> None:
+        needs = scoring_needs(self.options)
+        if self.verifier is not None:
+            needs.pop("large", None)  # a given verifier brings its own requirements
+        for tier, model in (("large", large), ("small", small)):
+            if tier in needs and not model.scores_tokens:
+                raise ValueError(f"specreason: {needs[tier]}, and {model.name} ({type(model).__name__}) cannot "
+                                 "score tokens")
 
     def make_verifier(self, large: LanguageModel) -> StepVerifier:
         """The verifier the settings describe, over `large`."""

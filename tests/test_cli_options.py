@@ -15,6 +15,9 @@ from thinkahead.cli import main
 from thinkahead.config import SERVE_CONCURRENCY, default
 from thinkahead.models import ScriptedModel
 
+from tests.llm_judge import LLM_JUDGE_FLAGS
+from tests.test_step_policies import AgreeingModel
+
 REMOTE = "openai:qwen@http://127.0.0.1:9/v1"  # built without connecting: no weights load
 
 
@@ -33,7 +36,9 @@ def reason_loop(monkeypatch):
 
     def model(spec, dtype):
         built.setdefault("dtypes", []).append(dtype)
-        return ScriptedModel(outputs=["So \\boxed{391}."], logprobs=[{"9": -0.05}], name=spec)
+        kind = {"gaps": {}} if built.get("scores", True) else {}  # AgreeingModel scores tokens, ScriptedModel not
+        scripted = AgreeingModel if kind else ScriptedModel
+        return scripted(outputs=["So \\boxed{391}."], logprobs=[{"9": -0.05}], name=spec, **kind)
 
     monkeypatch.setattr(loop_module, "StepLoop", loop)
     monkeypatch.setattr(thinkahead.models, "LocalModel", model)
@@ -76,7 +81,7 @@ def test_reason_refuses_bad_policy_options_before_loading_models(reason_loop):
 def test_serve_concurrency_falls_back_only_where_the_config_file_is_silent(monkeypatch, tmp_path, given, expected):
     started = {}
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: started.update(app=app))
-    args = ["serve", "--small", REMOTE, "--large", REMOTE, *given]
+    args = ["serve", "--small", REMOTE, "--large", REMOTE, *LLM_JUDGE_FLAGS, *given]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     assert started["app"].concurrency == expected
@@ -121,10 +126,13 @@ def test_the_shared_options_show_the_config_defaults():
 
 def test_the_gate_and_routers_reach_the_policy_and_bad_values_are_named(reason_loop, tmp_path):
     result = CliRunner().invoke(main, ["reason", "q", "--gate-logprob", "-0.2", "--pre-router", "trained"])
-    # the scripted small model has no token log-probabilities to gate on: the run says so
-    assert result.exit_code == 1 and "gate_logprob needs" in str(result.exception)
+    assert result.exit_code == 0, result.output
     policy = reason_loop["loop"].policy
     assert (policy.gate_logprob, policy.pre_router, type(policy.router).__name__) == (-0.2, "trained", "LogisticRouter")
+    result = CliRunner().invoke(main, ["reason", "q", "--gate-logprob", "off"])
+    assert result.exit_code == 0 and reason_loop["loop"].policy.gate_logprob is None
+    result = CliRunner().invoke(main, ["reason", "q", "--gate-logprob", "sure"])
+    assert result.exit_code == 2 and "'sure' is neither a log-probability (e.g. -0.1) nor 'off'" in result.output
     result = CliRunner().invoke(main, ["reason", "q", "--policy", "arbitrage"])
     assert result.exit_code == 0, result.output
     assert reason_loop["loop"].policy.router.provenance["rule"] == "agreement"  # the shipped router by default
@@ -137,3 +145,20 @@ def test_the_gate_and_routers_reach_the_policy_and_bad_values_are_named(reason_l
     tasks.write_text('{"id": "a", "question": "q", "answer": "1"}\n')
     result = CliRunner().invoke(main, ["run", str(tasks), "-o", str(tmp_path / "r.jsonl"), "--gate-logprob", "1"])
     assert result.exit_code == 2 and "gate_logprob" in result.output
+
+
+def test_a_default_the_models_cannot_run_is_refused_naming_the_setting(reason_loop, monkeypatch):
+    # OpenAI servers return no token scores: the default check (agreement) and gate cannot run there
+    result = CliRunner().invoke(main, ["serve", "--small", REMOTE, "--large", REMOTE])
+    assert result.exit_code == 2 and "judge 'agreement' needs token scores from the large model" in result.output
+    assert "--judge llm" in result.output
+    result = CliRunner().invoke(main, ["serve", "--small", REMOTE, "--large", REMOTE, "--judge", "llm"])
+    assert result.exit_code == 2 and "gate_logprob needs token log-probabilities from the small model" in result.output
+    assert "--gate-logprob off" in result.output
+    # model instances without scores (here: scripted models), checked when the loop is built
+    reason_loop["scores"] = False
+    result = CliRunner().invoke(main, ["reason", "q"])
+    assert result.exit_code == 2 and "judge 'agreement' needs token scores" in result.output
+    assert "ScriptedModel" in result.output and "loop" not in reason_loop
+    result = CliRunner().invoke(main, ["reason", "q", *LLM_JUDGE_FLAGS])
+    assert result.exit_code == 0, result.output

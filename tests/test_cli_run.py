@@ -82,7 +82,7 @@ def test_bench_writes_a_report_and_a_plot_and_resumes(tiny_model_dir, tmp_path):
     tasks = tmp_path / "tasks.jsonl"
     write_tasks(tasks, [json.dumps({"id": str(i), "question": f"w{5 + i} w6", "answer": "1"}) for i in range(2)])
     out_dir = tmp_path / "bench"
-    args = ["bench", str(tasks), "--policies", "large,specreason", "--thresholds", "3,7", "-o", str(out_dir),
+    args = ["bench", str(tasks), "--policies", "large,specreason", "--thresholds", "3,7", "--judges", "llm", "-o", str(out_dir),
             *model_args(tiny_model_dir)]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output

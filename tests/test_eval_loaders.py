@@ -23,6 +23,8 @@ from thinkahead.evals.puzzles import PuzzleChecker, countdown_tasks, evaluate, g
 from thinkahead.verifiers.grading import MathChecker, parse_number
 from thinkahead.workflows import WORKFLOWS, build_workflow
 
+from tests.llm_judge import LLM_JUDGE
+
 
 def require(module: str) -> None:
     """Skip unless `module`'s data is on this machine: installed, cached, or fetched once now."""
@@ -341,7 +343,7 @@ def test_a_scripted_react_run_on_bfcl_tools_grades_through_the_suite() -> None:
     def play(task, calls: list[str]):
         turns = [f" call {c.split('(')[0]}\nAction: {c.split('(', 1)[0]}[{c.split('(', 1)[1][:-1]}]" for c in calls]
         large = ScriptedModel(outputs=[*turns, " all done\nFinal Answer: done"])
-        runtime = Runtime(ScriptedModel(outputs=["unused"]), large, make_policy("specreason"))
+        runtime = Runtime(ScriptedModel(outputs=["unused"]), large, make_policy("specreason", **LLM_JUDGE))
         graph = build_workflow(suite.workflow, **suite.workflow_options(task))
         return asyncio.run(runtime.run(graph, task.inputs))
 

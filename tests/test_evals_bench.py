@@ -15,7 +15,9 @@ def labels(configs: list[BenchConfig]) -> list[str]:
 
 
 def test_matrix_sweeps_thresholds_for_the_llm_judge_only():
-    assert labels(matrix(["large", "specreason"], [3, 7], "on")) == ["large", "specreason@3", "specreason@7"]
+    assert labels(matrix(["large", "specreason"], [3, 7], "on", ("llm",))) == ["large", "specreason@3", "specreason@7"]
+    # the default judge is the agreement check: no threshold to sweep
+    assert labels(matrix(["large", "specreason"], [3, 7], "on")) == ["large", "specreason-agreement"]
     assert labels(matrix(["specreason"], [3], "both", ("llm", "agreement"), "token")) == [
         "specreason@3", "specreason-agreement+token", "specreason@3/no-token-spec",
         "specreason-agreement+token/no-token-spec",
@@ -23,13 +25,17 @@ def test_matrix_sweeps_thresholds_for_the_llm_judge_only():
 
 
 def test_matrix_and_bench_config_default_to_the_config_models(monkeypatch):
-    assert (default("policy.judge"), default("policy.repair")) == ("llm", "step")
+    assert (default("policy.judge"), default("policy.repair")) == ("agreement", "step")
     assert BenchConfig("large").judge in JUDGES and BenchConfig("large").repair in REPAIRS
+    assert labels(matrix(["specreason"], [3, 7], "on")) == ["specreason-agreement"]
     changed = OrchestratorConfig(policy={"name": "specreason", "judge": "agreement", "repair": "token"})
     monkeypatch.setattr(config, "_defaults", lambda: changed)
     assert (BenchConfig("specreason").judge, BenchConfig("specreason").repair) == ("agreement", "token")
     # no judges given: the default judge (agreement, so no threshold sweep) with the default repair
     assert labels(matrix(["specreason"], [3, 7], "on")) == ["specreason-agreement+token"]
+    judged = OrchestratorConfig(policy={"name": "specreason", "judge": "llm", "gate_logprob": None})
+    monkeypatch.setattr(config, "_defaults", lambda: judged)
+    assert labels(matrix(["specreason"], [3, 7], "on")) == ["specreason@3", "specreason@7"]
 
 
 def test_matrix_refuses_unknown_names():

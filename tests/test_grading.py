@@ -19,6 +19,8 @@ from thinkahead.verifiers.grading import CHECKER_NAMES, CHECKERS, AnswerChecker,
 from thinkahead.verifiers.grading import final_answer
 from thinkahead.workflows import cot
 
+from tests.llm_judge import LLM_JUDGE
+
 ROOT = Path(__file__).resolve().parents[1]
 JUDGE_YES = [{"9": -0.05}]
 
@@ -75,7 +77,7 @@ def test_cli_and_suites_read_the_registry() -> None:
 
 
 def _run(graph: StepGraph, small: ScriptedModel):
-    rt = Runtime(small, ScriptedModel(outputs=["unused"], logprobs=JUDGE_YES), make_policy("specreason"))
+    rt = Runtime(small, ScriptedModel(outputs=["unused"], logprobs=JUDGE_YES), make_policy("specreason", **LLM_JUDGE))
     return asyncio.run(rt.run(graph, {"question": "What is 17 * 23?"}))
 
 
@@ -133,4 +135,6 @@ def test_every_built_in_step_verifier_is_a_step_verifier() -> None:
     for judge, cls in (("llm", LLMJudge), ("agreement", AgreementVerifier)):
         built = SpecReason(judge=judge).make_verifier(model)
         assert type(built) is cls and isinstance(built, StepVerifier)
-    assert SpecReasonOptions().judge == "llm"
+    # the default: the agreement check behind the small model's confidence gate (issue 18's frontier)
+    defaults = SpecReasonOptions()
+    assert (defaults.judge, defaults.gate_logprob) == ("agreement", -0.1)

@@ -13,13 +13,15 @@ from thinkahead.orchestrator import END, START, RetryPolicy, RunBudget, Runtime,
 from thinkahead.orchestrator.trace import RunResult, TraceEvent
 from thinkahead.step_spec.policies import make_policy
 
+from tests.llm_judge import LLM_JUDGE
+
 FAST_RETRY = RetryPolicy(attempts=3, backoff_s=0.001)
 
 
 def runtime(small=None, large=None, policy="large", **kw) -> Runtime:
     small = small or ScriptedModel(outputs=["small says \\boxed{1}"])
     large = large or ScriptedModel(outputs=["large says \\boxed{2}"], logprobs=[{"9": -0.1}])
-    return Runtime(small, large, make_policy(policy), retry=kw.pop("retry", FAST_RETRY), **kw)
+    return Runtime(small, large, make_policy(policy, **(LLM_JUDGE if policy == "specreason" else {})), retry=kw.pop("retry", FAST_RETRY), **kw)
 
 
 def sleeper(name: str, seconds: float, log: list):

@@ -22,6 +22,8 @@ from thinkahead.step_spec.loop import StepLoop
 from thinkahead.step_spec.policies import SpecReason
 from thinkahead.workflows.cot import cot
 
+from tests.llm_judge import LLM_JUDGE
+
 PROBLEMS = {"a": "Problem alpha: what is 5 + 7?", "b": "Problem beta: what is 6 + 6?"}
 STEPS = 3  # small steps before the final one
 
@@ -47,7 +49,7 @@ def calls_of(model: ScriptedModel, run: str, kind: str) -> int:
 
 def test_concurrent_runs_keep_their_own_lookahead_and_their_own_cost() -> None:
     small, large = models()
-    policy = SpecReason(lookahead=True)
+    policy = SpecReason(**LLM_JUDGE, lookahead=True)
     runtime = Runtime(small, large, policy, concurrency=2)
     results = asyncio.run(runtime.map(cot(), [(run, problem) for run, problem in PROBLEMS.items()]))
     by_id = {r.id: r for r in results}
@@ -71,7 +73,7 @@ def test_concurrent_runs_keep_their_own_lookahead_and_their_own_cost() -> None:
 
 def test_concurrent_step_loops_share_one_spec_and_count_their_own_hits() -> None:
     small, large = models()
-    policy = SpecReason(lookahead=True)
+    policy = SpecReason(**LLM_JUDGE, lookahead=True)
 
     async def both():
         loops = [StepLoop(small, large, policy) for _ in PROBLEMS]
@@ -90,7 +92,7 @@ def test_a_run_that_stops_early_cancels_its_pending_guess() -> None:
     large = ScriptedModel(["12"], logprobs=judge_yes, name="large", delay_s=0.01)
 
     async def one():
-        loop = StepLoop(small, large, SpecReason(lookahead=True), budget=StepBudget(max_steps=1))
+        loop = StepLoop(small, large, SpecReason(**LLM_JUDGE, lookahead=True), budget=StepBudget(max_steps=1))
         result = await loop.run(PROBLEMS["a"])
         return result, asyncio.all_tasks() - {asyncio.current_task()}
 
@@ -105,7 +107,7 @@ def test_a_given_judge_is_seen_over_each_runs_own_large_model() -> None:
 
     small = ScriptedModel(small_writer, name="small", delay_s=0.01)
     large = ScriptedModel(["unused"], logprobs=[{"6": 0.0}], name="large", delay_s=0.01)
-    policy = SpecReason(verifier=LLMJudge(large, threshold=5.0))  # its own threshold: 6 passes (7 would not)
+    policy = SpecReason(**LLM_JUDGE, verifier=LLMJudge(large, threshold=5.0))  # its own threshold: 6 passes (7 would not)
     results = asyncio.run(Runtime(small, large, policy, concurrency=2).map(cot(), list(PROBLEMS.items())))
     for result in results:
         steps = [e["data"] for e in result.trace if e["kind"] == "step"]
@@ -118,7 +120,7 @@ def test_policies_stepped_by_hand_keep_their_state_per_context() -> None:
     from thinkahead.step_spec.state import StepContext
 
     small, large = models()
-    policy = SpecReason(lookahead=True)
+    policy = SpecReason(**LLM_JUDGE, lookahead=True)
 
     async def by_hand(problem: str) -> list[bool]:
         ctx = StepContext(problem, small, large)

@@ -12,6 +12,8 @@ from thinkahead.models.loader import load_model
 from thinkahead.orchestrator import END, START, StepGraph
 from thinkahead.orchestrator.store import ResultStore
 
+from tests.llm_judge import LLM_JUDGE, LLM_SPECREASON
+
 JUDGE_YES = [{"9": -0.05}]
 
 
@@ -71,7 +73,7 @@ def test_config_errors_name_the_file_and_field(tmp_path):
 
 def test_run_and_map_with_a_store_that_resumes(tmp_path):
     small, large = scripted_pair()
-    orch = Orchestrator(small, large, "specreason")
+    orch = Orchestrator(small, large, LLM_SPECREASON)
     assert orch.run_sync("cot", "What is 17 * 23?").answer == "391"
     store = tmp_path / "runs.jsonl"
     results = orch.map_sync(["q1", ("named", "q2")], store=store)
@@ -82,7 +84,7 @@ def test_run_and_map_with_a_store_that_resumes(tmp_path):
 
 def test_streaming_events_from_the_sdk():
     small, large = scripted_pair()
-    orch = Orchestrator(small, large, "specreason")
+    orch = Orchestrator(small, large, LLM_SPECREASON)
 
     async def collect():
         return [item async for item in orch.stream("cot", "q")]
@@ -94,7 +96,7 @@ def test_streaming_events_from_the_sdk():
 
 def test_an_orchestrator_as_a_node_of_another_graph():
     inner_small, inner_large = scripted_pair()
-    expert = Orchestrator(inner_small, inner_large, "specreason")
+    expert = Orchestrator(inner_small, inner_large, LLM_SPECREASON)
     g = StepGraph(inputs=["question"], output="report")
     g.add_tool("expert", expert.as_tool("cot"), inputs=["question"])
     g.add_generate("report", "The expert says {expert}. Summarize.", tier="small")
@@ -111,7 +113,7 @@ def test_a_policy_is_a_name_settings_or_an_object_that_starts_runs():
     from thinkahead.step_spec.state import StepOutcome
 
     small, large = scripted_pair()
-    spec = SpecReason(threshold=5)
+    spec = SpecReason(**LLM_JUDGE, threshold=5)
     orch = Orchestrator(small, large, spec)
     assert orch.runtime.policy is spec and orch.run_sync("cot", "What is 17 * 23?").answer == "391"
     assert Orchestrator(small, large, {"name": "specreason", "threshold": 3}).config.policy.threshold == 3
@@ -152,7 +154,7 @@ def test_the_plain_python_agents_example_runs():
             return "\\boxed{yes}"
         return "\\boxed{391}" if "17 * 23" in prompt else "\\boxed{12}"
 
-    orch = Orchestrator(ScriptedModel(outputs=small_out), ScriptedModel(logprobs=JUDGE_YES), "specreason", concurrency=2)
+    orch = Orchestrator(ScriptedModel(outputs=small_out), ScriptedModel(logprobs=JUDGE_YES), LLM_SPECREASON, concurrency=2)
     rows = asyncio.run(example.team(orch, ["What is 17 * 23?", "What is 144 / 12?"]))
     assert [(r["answer"], r["review"], r["ok"]) for r in rows] == [("391", "yes", True), ("12", "yes", True)]
 

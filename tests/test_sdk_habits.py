@@ -15,6 +15,8 @@ from thinkahead import Orchestrator
 from thinkahead.errors import RunFailed, ThinkaheadError
 from thinkahead.models import ScriptedModel
 
+from tests.llm_judge import LLM_SPECREASON
+
 JUDGE_YES = [{"9": -0.05}]
 
 
@@ -32,7 +34,7 @@ def pair():
 
 
 def test_run_sync_and_map_sync_work_inside_a_running_event_loop():
-    orch = Orchestrator(*pair(), policy="specreason")
+    orch = Orchestrator(*pair(), policy=LLM_SPECREASON)
 
     async def notebook_cell():  # Jupyter runs cells inside its own event loop
         one = orch.run_sync("cot", "What is 2 + 2?")

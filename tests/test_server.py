@@ -10,9 +10,11 @@ import re
 import time
 
 import httpx
+import pytest
 import uvicorn
 from click.testing import CliRunner
 
+from tests.llm_judge import LLM_SPECREASON
 from tests.server_fixtures import JUDGE_YES, chat, scripted_pair, serve, sse_payloads  # noqa: F401 (fixture)
 from thinkahead.cli.serve import serve as serve_command
 from thinkahead.models import ScriptedModel
@@ -27,7 +29,7 @@ def doubling_small(prompt: str, request) -> str:
 
 def test_models_lists_every_workflow_policy_combination_and_health(serve):
     small, large = scripted_pair()
-    app = create_app(small=small, large=large)
+    app = create_app({"policy": LLM_SPECREASON}, small=small, large=large)
     assert app.owned == []  # the caller's models: the app never closes them
     url = serve(app)
     models = httpx.get(f"{url}/v1/models").json()
@@ -48,7 +50,7 @@ def test_models_lists_every_workflow_policy_combination_and_health(serve):
 
 def test_a_completion_holds_the_final_text_the_reasoning_usage_and_the_steps(serve):
     small, large = scripted_pair()
-    url = serve(create_app(small=small, large=large))
+    url = serve(create_app({"policy": LLM_SPECREASON}, small=small, large=large))
     request = {"model": "thinkahead/cot:specreason", "messages": [
         {"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 17 * 23?"}]}
     response = httpx.post(f"{url}/v1/chat/completions", json=request)
@@ -83,7 +85,7 @@ def test_a_completion_holds_the_final_text_the_reasoning_usage_and_the_steps(ser
 
 def test_the_model_name_selects_the_policy_and_the_models_are_shared(serve):
     small, large = scripted_pair()
-    url = serve(create_app({"policy": {"name": "specreason"}}, small=small, large=large))
+    url = serve(create_app({"policy": LLM_SPECREASON}, small=small, large=large))
     body = httpx.post(f"{url}/v1/chat/completions", json=chat("thinkahead/cot:large")).json()
     assert body["thinkahead"]["answer"] == "391"
     assert [(s["author"], s["verdict"]) for s in body["thinkahead"]["steps"]] == [("large", "baseline")]
@@ -99,7 +101,7 @@ def test_the_model_name_selects_the_policy_and_the_models_are_shared(serve):
 
 def test_max_tokens_caps_the_reasoning_chain(serve):
     small, large = scripted_pair()
-    url = serve(create_app(small=small, large=large))
+    url = serve(create_app({"policy": LLM_SPECREASON}, small=small, large=large))
     body = httpx.post(f"{url}/v1/chat/completions", json=chat("thinkahead/cot", max_tokens=1)).json()
     # after one small token the chain is out of budget: the large model writes the final step
     assert [s["author"] for s in body["thinkahead"]["steps"]] == ["small", "large"]
@@ -109,7 +111,7 @@ def test_max_tokens_caps_the_reasoning_chain(serve):
 
 def test_streaming_sends_role_each_step_as_decided_the_answer_finish_and_done(serve):
     small, large = scripted_pair(delay_s=0.2)
-    url = serve(create_app(small=small, large=large))
+    url = serve(create_app({"policy": LLM_SPECREASON}, small=small, large=large))
     arrivals = []
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=chat("thinkahead/cot:specreason", stream=True),
                       timeout=30) as response:
@@ -141,7 +143,7 @@ def test_streaming_sends_role_each_step_as_decided_the_answer_finish_and_done(se
 
 def test_unknown_models_and_routes_get_openai_shaped_404s(serve):
     small, large = scripted_pair()
-    url = serve(create_app(small=small, large=large))
+    url = serve(create_app({"policy": LLM_SPECREASON}, small=small, large=large))
     for model in ("thinkahead/tot", "thinkahead/cot:judge", "gpt-4o"):
         response = httpx.post(f"{url}/v1/chat/completions", json=chat(model))
         assert response.status_code == 404
@@ -157,7 +159,7 @@ def test_unknown_models_and_routes_get_openai_shaped_404s(serve):
 
 def test_bad_requests_get_400s_that_name_the_problem(serve):
     small, large = scripted_pair()
-    url = serve(create_app(small=small, large=large))
+    url = serve(create_app({"policy": LLM_SPECREASON}, small=small, large=large))
     endpoint = f"{url}/v1/chat/completions"
     response = httpx.post(endpoint, content=b'{"model": "thinkahead/cot", "messages": [',
                           headers={"content-type": "application/json"})
@@ -192,7 +194,7 @@ def test_bad_requests_get_400s_that_name_the_problem(serve):
 
 def test_a_session_id_reaches_the_models_and_outlives_the_request(serve):
     small, large = scripted_pair()
-    url = serve(create_app(small=small, large=large))
+    url = serve(create_app({"policy": LLM_SPECREASON}, small=small, large=large))
     for _ in range(2):
         response = httpx.post(f"{url}/v1/chat/completions", json=chat("thinkahead/cot:specreason", session_id="agent-7"))
         assert response.status_code == 200
@@ -201,7 +203,7 @@ def test_a_session_id_reaches_the_models_and_outlives_the_request(serve):
 
 def test_content_parts_are_read_as_text(serve):
     small, large = scripted_pair()
-    url = serve(create_app(small=small, large=large))
+    url = serve(create_app({"policy": LLM_SPECREASON}, small=small, large=large))
     request = {"model": "thinkahead/cot", "messages": [{"role": "user", "content": [
         {"type": "text", "text": "What is "}, {"type": "text", "text": "17 * 23?"}]}]}
     assert httpx.post(f"{url}/v1/chat/completions", json=request).json()["thinkahead"]["answer"] == "391"
@@ -216,7 +218,7 @@ def test_concurrent_requests_overlap_and_each_gets_its_own_answer(serve):
     delay = 0.2  # each run: 2 drafts + 2 judge calls = 0.8 s of model time
     small = ScriptedModel(outputs=doubling_small, delay_s=delay)
     large = ScriptedModel(logprobs=JUDGE_YES, delay_s=delay)
-    url = serve(create_app(small=small, large=large, concurrency=8))
+    url = serve(create_app({"policy": LLM_SPECREASON}, small=small, large=large, concurrency=8))
     numbers = [3, 5, 8, 13, 21, 34]
 
     async def ask_all():
@@ -239,7 +241,7 @@ def test_concurrency_limits_the_runs_in_flight(serve):
     delay = 0.1
     small = ScriptedModel(outputs=doubling_small, delay_s=delay)
     large = ScriptedModel(logprobs=JUDGE_YES, delay_s=delay)
-    url = serve(create_app(small=small, large=large, concurrency=1))
+    url = serve(create_app({"policy": LLM_SPECREASON}, small=small, large=large, concurrency=1))
 
     async def ask_all():
         async with httpx.AsyncClient(base_url=url, timeout=30) as client:
@@ -258,7 +260,7 @@ def test_a_failed_run_is_a_500_with_the_runs_error(serve):
     def broken(prompt, request):
         raise ValueError("the small model is broken")
 
-    url = serve(create_app(small=ScriptedModel(outputs=broken), large=ScriptedModel(logprobs=JUDGE_YES)))
+    url = serve(create_app({"policy": LLM_SPECREASON}, small=ScriptedModel(outputs=broken), large=ScriptedModel(logprobs=JUDGE_YES)))
     response = httpx.post(f"{url}/v1/chat/completions", json=chat("thinkahead/cot:specreason"))
     assert response.status_code == 500
     error = response.json()["error"]
@@ -275,7 +277,7 @@ def test_a_failed_run_is_a_500_with_the_runs_error(serve):
 
 def test_a_run_cut_short_by_its_budget_finishes_with_length(serve):
     small, large = scripted_pair()
-    url = serve(create_app({"budget": {"max_model_calls": 3}}, small=small, large=large))
+    url = serve(create_app({"budget": {"max_model_calls": 3}, "policy": LLM_SPECREASON}, small=small, large=large))
     body = httpx.post(f"{url}/v1/chat/completions", json=chat("thinkahead/cot")).json()
     assert body["choices"] == [{"index": 0, "finish_reason": "length", "logprobs": None, "message": {
         "role": "assistant", "content": "", "reasoning_content": "Multiply.\n\n", "reasoning": "Multiply.\n\n"}}]
@@ -289,7 +291,7 @@ def test_a_client_that_goes_away_cancels_its_run(serve):
 
     small = ScriptedModel(outputs=endless, delay_s=0.1)
     large = ScriptedModel(logprobs=JUDGE_YES, delay_s=0.1)
-    url = serve(create_app(small=small, large=large))
+    url = serve(create_app({"policy": LLM_SPECREASON}, small=small, large=large))
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=chat("thinkahead/cot", stream=True)) as response:
         line = next(line for line in response.iter_lines() if "reasoning_content" in line)
         assert json.loads(line[len("data: "):])["choices"][0]["delta"]["reasoning_content"] == "Step 1 of many.\n\n"
@@ -304,7 +306,7 @@ def test_the_serve_command_loads_the_models_once_and_runs_uvicorn(monkeypatch, t
     started = {}
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: started.update(app=app, **kw))
     config = tmp_path / "serve.yaml"
-    config.write_text("policy: {name: specreason, threshold: 5}\nbudget: {max_tokens: 900}\n")
+    config.write_text("policy: {name: specreason, threshold: 5, judge: llm, gate_logprob: null}\nbudget: {max_tokens: 900}\n")
     remote = "openai:qwen@http://127.0.0.1:9/v1"  # built without connecting: no weights load in this test
     result = CliRunner().invoke(serve_command, [
         "--config", str(config), "--small", remote, "--large", remote, "--port", "8123", "--policy", "large",
@@ -329,3 +331,16 @@ def test_the_serve_command_reports_a_bad_model_spec():
     result = CliRunner().invoke(serve_command, ["--small", "no-such-model"])
     assert result.exit_code == 2  # an input error, caught before any model loads
     assert "cannot resolve model spec 'no-such-model'" in result.output
+
+
+def test_a_policy_the_models_cannot_run_is_refused_at_start_or_per_request(serve):
+    small, large = scripted_pair()  # scripted models score no tokens
+    with pytest.raises(ValueError, match="judge 'agreement' needs token scores from the large model"):
+        create_app(small=small, large=large)  # the default policy: the agreement check behind the gate
+    url = serve(create_app({"policy": "large"}, small=small, large=large))
+    reply = httpx.post(f"{url}/v1/chat/completions", json={
+        "model": "thinkahead/cot:specreason", "messages": [{"role": "user", "content": "What is 17 * 23?"}]})
+    assert reply.status_code == 400
+    error = reply.json()["error"]
+    assert error["param"] == "model" and "policy 'specreason' cannot run on this server's models" in error["message"]
+    assert small.calls == [] and large.calls == []

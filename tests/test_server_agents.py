@@ -9,6 +9,7 @@ import json
 
 import pytest
 
+from tests.llm_judge import LLM_SPECREASON
 from tests.server_fixtures import JUDGE_YES, serve  # noqa: F401 (fixture)
 from thinkahead.models import ScriptedModel
 from thinkahead.serving.openai_server import create_app
@@ -51,7 +52,7 @@ def run_agent(url: str, model: str, question: str, *, stream: bool = False,
 @pytest.mark.parametrize("stream", [False, True])
 def test_the_openai_agents_sdk_runs_a_tool_using_agent(serve, stream):
     model = ScriptedModel(outputs=[CALL, "It is 18 C in Paris."], name="agent-model")
-    url = serve(create_app(small=model, large=model))
+    url = serve(create_app({"policy": LLM_SPECREASON}, small=model, large=model))
     answer, asked = run_agent(url, "agent-model", "What is the weather in Paris?", stream=stream)
     assert (answer, asked) == ("It is 18 C in Paris.", ["Paris"])
     first, second = model.generated_prompts()
@@ -64,7 +65,7 @@ def test_the_agents_sdk_drives_the_react_workflow_with_its_tools(serve):
     large = ScriptedModel(outputs=[' I need the weather.\nAction: get_weather[{"city": "Paris"}]\n',
                                    " I know it now.\nFinal Answer: It is 18 C in Paris."], logprobs=JUDGE_YES,
                           name="large")
-    url = serve(create_app(small=small, large=large))
+    url = serve(create_app({"policy": LLM_SPECREASON}, small=small, large=large))
     # a workflow picks its own sampling: the agent sends no temperature there
     from agents import Agent, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
     from openai import AsyncOpenAI

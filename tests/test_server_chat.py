@@ -10,6 +10,7 @@ import httpx
 import openai
 import pytest
 
+from tests.llm_judge import LLM_SPECREASON
 from tests.server_fixtures import TINY_QUESTION, openai_client, scripted_pair, serve, tiny, tiny_url  # noqa: F401 (fixtures)
 from thinkahead.models import ScriptedModel
 from thinkahead.models.base import GenerationRequest
@@ -71,7 +72,7 @@ def test_logprobs_are_the_models_own_scores(tiny_url, tiny):
 
 def test_parameters_a_model_cannot_honour_are_refused_by_name(serve, tiny_url):
     small, large = scripted_pair()
-    url = serve(create_app(small=small, large=large))
+    url = serve(create_app({"policy": LLM_SPECREASON}, small=small, large=large))
     cases = [
         (url, dict(model="small-scripted", logprobs=True), "logprobs"),
         (tiny_url, dict(model="tiny", top_logprobs=2), "top_logprobs"),
@@ -113,7 +114,7 @@ def test_a_prompt_longer_than_the_context_is_refused_before_any_work(tiny_url, t
 
 def json_server(serve, outputs):
     model = ScriptedModel(outputs=outputs, name="json-model")
-    return model, serve(create_app(small=model, large=model))
+    return model, serve(create_app({"policy": LLM_SPECREASON}, small=model, large=model))
 
 
 def test_json_object_output_is_parsed_and_a_bad_reply_is_repaired(serve):

@@ -11,6 +11,7 @@ import openai
 import pytest
 from click.testing import CliRunner
 
+from tests.llm_judge import LLM_JUDGE_FLAGS, LLM_SPECREASON
 from tests.server_fixtures import JUDGE_YES, chat, scripted_pair, serve  # noqa: F401 (fixture)
 from thinkahead.cli.serve import serve as serve_command
 from thinkahead.models import ScriptedModel
@@ -21,7 +22,7 @@ COT = "thinkahead/cot:specreason"
 
 def test_an_api_key_is_required_when_set(serve):
     small, large = scripted_pair()
-    url = serve(create_app(small=small, large=large, settings={"api_key": "s3cret"}))
+    url = serve(create_app({"policy": LLM_SPECREASON}, small=small, large=large, settings={"api_key": "s3cret"}))
     for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "Basic s3cret"}):
         response = httpx.post(f"{url}/v1/chat/completions", json=chat(COT), headers=headers)
         assert response.status_code == 401 and response.headers["www-authenticate"] == "Bearer"
@@ -43,7 +44,7 @@ def test_the_api_key_comes_from_the_environment_in_the_cli(monkeypatch):
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: started.update(app=app, **kw))
     monkeypatch.setenv("THINKAHEAD_API_KEY", "from-env")
     remote = "openai:qwen@http://127.0.0.1:9/v1"
-    result = CliRunner().invoke(serve_command, ["--small", remote, "--large", remote, "--host", "0.0.0.0",
+    result = CliRunner().invoke(serve_command, ["--small", remote, "--large", remote, *LLM_JUDGE_FLAGS, "--host", "0.0.0.0",
                                                 "--allow-origin", "http://localhost:3000", "--max-queue", "3"])
     assert result.exit_code == 0, result.output
     settings = started["app"].settings
@@ -55,7 +56,7 @@ def test_the_api_key_comes_from_the_environment_in_the_cli(monkeypatch):
 
 def test_only_json_bodies_start_work(serve):
     small, large = scripted_pair()
-    url = serve(create_app(small=small, large=large))
+    url = serve(create_app({"policy": LLM_SPECREASON}, small=small, large=large))
     body = b'{"model": "thinkahead/cot", "messages": [{"role": "user", "content": "q"}]}'
     for content_type in ("text/plain", "application/x-www-form-urlencoded", None):
         headers = {"content-type": content_type} if content_type else {}
@@ -66,11 +67,11 @@ def test_only_json_bodies_start_work(serve):
 
 def test_cors_only_for_allowed_origins_and_hosts_checked(serve):
     small, large = scripted_pair()
-    closed = serve(create_app(small=small, large=large))
+    closed = serve(create_app({"policy": LLM_SPECREASON}, small=small, large=large))
     evil = httpx.post(f"{closed}/v1/chat/completions", json=chat(COT), headers={"origin": "https://evil.example"})
     assert evil.status_code == 403 and evil.json()["error"]["code"] == "origin_not_allowed"
     assert "access-control-allow-origin" not in evil.headers
-    opened = serve(create_app(small=small, large=large, settings={
+    opened = serve(create_app({"policy": LLM_SPECREASON}, small=small, large=large, settings={
         "allow_origins": ["http://localhost:3000"], "allowed_hosts": ["127.0.0.1", "localhost"], "api_key": "k"}))
     preflight = httpx.options(f"{opened}/v1/chat/completions", headers={
         "origin": "http://localhost:3000", "access-control-request-method": "POST"})
@@ -88,7 +89,7 @@ def test_cors_only_for_allowed_origins_and_hosts_checked(serve):
 def test_a_full_waiting_line_gets_429_with_retry_after(serve):
     small = ScriptedModel(outputs=["So \\boxed{1}."], delay_s=0.3)
     large = ScriptedModel(logprobs=JUDGE_YES, delay_s=0.3)
-    url = serve(create_app(small=small, large=large, concurrency=1, settings={"max_queue": 1, "retry_after_s": 3}))
+    url = serve(create_app({"policy": LLM_SPECREASON}, small=small, large=large, concurrency=1, settings={"max_queue": 1, "retry_after_s": 3}))
 
     async def burst():
         async with httpx.AsyncClient(base_url=url, timeout=30) as client:
@@ -103,7 +104,7 @@ def test_a_full_waiting_line_gets_429_with_retry_after(serve):
 
 def test_hostile_bodies_get_openai_shaped_4xx_never_a_500(serve):
     small, large = scripted_pair()
-    url = serve(create_app(small=small, large=large, settings={"max_body_bytes": 100_000}))
+    url = serve(create_app({"policy": LLM_SPECREASON}, small=small, large=large, settings={"max_body_bytes": 100_000}))
     endpoint = f"{url}/v1/chat/completions"
     cases = [
         (b"[" * 50_000 + b"]" * 50_000, 400, "nests deeper than"),
@@ -126,7 +127,7 @@ def test_hostile_bodies_get_openai_shaped_4xx_never_a_500(serve):
 
 def test_metrics_in_prometheus_text(serve):
     small, large = scripted_pair()
-    url = serve(create_app(small=small, large=large))
+    url = serve(create_app({"policy": LLM_SPECREASON}, small=small, large=large))
     httpx.post(f"{url}/v1/chat/completions", json=chat(COT))
     httpx.post(f"{url}/v1/chat/completions", json=chat("nope"))
     response = httpx.get(f"{url}/metrics")

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
+from tests.llm_judge import LLM_SPECREASON
 from tests.server_fixtures import (  # noqa: F401 (fixtures)
     JUDGE_YES, STEPS, TINY_QUESTION, chat, openai_client, serve, sse_payloads, tiny, tiny_url,
 )
@@ -95,7 +96,7 @@ def test_a_streamed_echo_sends_the_prompt_first(tiny_url):
 def test_a_client_that_leaves_a_stream_stops_the_decoder(serve, tiny_model_dir):
     model = LocalModel(str(tiny_model_dir), dtype="float32", name="slow-tiny", drafter="none")
     calls = slow_forwards(model, 0.02)
-    url = serve(create_app(small=model, large=model))
+    url = serve(create_app({"policy": LLM_SPECREASON}, small=model, large=model))
     body = {"model": "slow-tiny", "messages": QUESTION, "temperature": 0, "max_tokens": 400, "stream": True}
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=30) as response:
         line = next(line for line in response.iter_lines() if '"content": "w' in line)
@@ -126,7 +127,7 @@ def test_a_workflows_cached_tokens_are_its_first_calls_capped_at_its_prompt(serv
     for cached, expected in [((3, 50, 50), 3), ((10_000, 7), None)]:
         small = CachingModel(outputs=list(STEPS), name="small-c", cached=cached)
         large = CachingModel(outputs=["\\boxed{391}"], logprobs=JUDGE_YES, name="large-c", cached=(0,))
-        url = serve(create_app(small=small, large=large))
+        url = serve(create_app({"policy": LLM_SPECREASON}, small=small, large=large))
         body = chat("thinkahead/cot:specreason", stream=stream, stream_options={"include_usage": True})
         if stream:
             with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=30) as response:

@@ -11,6 +11,7 @@ from typing import Any
 import openai
 import pytest
 
+from tests.llm_judge import LLM_SPECREASON
 from tests.server_fixtures import JUDGE_YES, serve  # noqa: F401 (fixture)
 from thinkahead.models import ScriptedModel
 from thinkahead.serving.openai_server import create_app
@@ -38,7 +39,7 @@ def client(url: str) -> openai.OpenAI:
 
 def server(serve, outputs, tokenizer=None):
     model = TemplatedModel(outputs=outputs, name="agent-model", tokenizer=tokenizer)
-    return model, serve(create_app(small=model, large=model))
+    return model, serve(create_app({"policy": LLM_SPECREASON}, small=model, large=model))
 
 
 @dataclass
@@ -154,7 +155,7 @@ def test_the_react_workflow_takes_the_requests_tools_and_continues_after_the_res
     large = ScriptedModel(outputs=[' I need the weather.\nAction: get_weather[{"city": "Paris"}]\n',
                                    " I know it now.\nFinal Answer: It is 18 C in Paris."], logprobs=JUDGE_YES,
                           name="large")
-    url = serve(create_app(small=small, large=large))
+    url = serve(create_app({"policy": LLM_SPECREASON}, small=small, large=large))
     c = client(url)
     first = c.chat.completions.create(model="thinkahead/react", messages=ASK, tools=[WEATHER])
     message = first.choices[0].message

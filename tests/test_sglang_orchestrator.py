@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from tests.fake_sglang import FakeSGLangServer
+from tests.llm_judge import LLM_SPECREASON
 from tests.sglang_fixtures import generate_bodies
 from thinkahead.models.sglang import SGLangModel
 
@@ -70,7 +71,7 @@ def orchestrator(small: FakeSGLangServer, large: FakeSGLangServer, **settings: A
     opts: dict[str, Any] = {"timeout_s": 5.0, "max_retries": 6, "backoff_s": 0.05}
     opts.update(settings.pop("client", {}))
     return Orchestrator(small=SGLangModel(small.url, "small", **opts), large=SGLangModel(large.url, "large", **opts),
-                        policy="specreason", **settings)
+                        policy=LLM_SPECREASON, **settings)
 
 
 def test_cot_specreason_end_to_end(pair: tuple[FakeSGLangServer, FakeSGLangServer]) -> None:

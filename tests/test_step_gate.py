@@ -36,7 +36,7 @@ def test_gate_keeps_confident_drafts_unchecked_and_checks_the_unsure_one() -> No
     # without the gate every step is checked
     small2 = AgreeingModel(STEPS, gaps={"41": 2.0}, name="small")
     large2 = AgreeingModel([" 34 so far.\n\n"], gaps={"41": 3.0}, name="large")
-    assert run(StepLoop(small2, large2, SpecReason(judge="agreement"))).judge_calls == 3
+    assert run(StepLoop(small2, large2, SpecReason(judge="agreement", gate_logprob=None))).judge_calls == 3
     with pytest.raises(ValueError, match="gate_logprob"):
         SpecReason(gate_logprob=0.5)
 
@@ -50,7 +50,7 @@ def step_index_router(path: Path, from_step: int) -> Path:
 def test_pre_router_hands_steps_to_the_large_model_before_drafting(tmp_path) -> None:
     small = AgreeingModel(STEPS, gaps={}, name="small")
     large = AgreeingModel(["17 * 2 = 34 so far.\n\n", "Answer: 85"], gaps={}, name="large")
-    policy = SpecReason(judge="agreement", pre_router=str(step_index_router(tmp_path / "r.json", 1)))
+    policy = SpecReason(judge="agreement", gate_logprob=None, pre_router=str(step_index_router(tmp_path / "r.json", 1)))
     result = run(StepLoop(small, large, policy))
     assert [(s.author, s.verdict) for s in result.steps] == [("small", "accepted"), ("large", "routed"),
                                                             ("large", "routed")]

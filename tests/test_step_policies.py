@@ -13,6 +13,8 @@ from thinkahead.step_spec.policies import SpecReason, make_policy
 from thinkahead.step_spec.segment import SegmentConfig
 from thinkahead.verifiers.judge import judge_messages, score_from_logprobs
 
+from tests.llm_judge import LLM_JUDGE
+
 
 def digits(score: int) -> dict[str, float]:
     """Judge logprobs that put 90% on `score`."""
@@ -48,7 +50,7 @@ def test_baselines_write_every_step_with_one_model() -> None:
 def test_specreason_accepts_at_threshold_and_rewrites_below() -> None:
     small = ScriptedModel(small_steps(3), name="small")
     large = ScriptedModel(["large rewrite of step 1.\n\n"], logprobs=[digits(8), digits(3), digits(7), digits(9)])
-    result = run(StepLoop(small, large, SpecReason(threshold=7)))
+    result = run(StepLoop(small, large, SpecReason(**LLM_JUDGE, threshold=7)))
     verdicts = [(s.author, s.verdict, s.score) for s in result.steps]
     assert verdicts == [
         ("small", "accepted", 8.0), ("large", "rejected", 3.0), ("small", "accepted", 7.0), ("small", "accepted", 9.0),
@@ -66,7 +68,7 @@ def test_specreason_accepts_at_threshold_and_rewrites_below() -> None:
 def test_specreason_forces_first_steps_and_expected_scores() -> None:
     small = ScriptedModel(small_steps(2), name="small")
     large = ScriptedModel(["large opening.\n\n"], logprobs=[{"6": math.log(0.5), "9": math.log(0.5)}])
-    result = run(StepLoop(small, large, SpecReason(threshold=7, score_mode="expected", first_large_steps=1)))
+    result = run(StepLoop(small, large, SpecReason(**LLM_JUDGE, threshold=7, score_mode="expected", first_large_steps=1)))
     assert result.steps[0].verdict == "forced" and result.steps[0].author == "large"
     assert result.steps[1].score == pytest.approx(7.5) and result.steps[1].verdict == "accepted"
 
@@ -90,9 +92,9 @@ def test_lookahead_drafts_next_step_during_judging_and_drops_it_on_rejection() -
         return (ScriptedModel(counting_small, name="small", delay_s=delay),
                 ScriptedModel(counting_large, logprobs=judge_rejects_small_1, name="large", delay_s=delay))
 
-    plain = run(StepLoop(*models(0.0), SpecReason()))
+    plain = run(StepLoop(*models(0.0), SpecReason(**LLM_JUDGE)))
     small, large = models(0.02)
-    ahead = run(StepLoop(small, large, SpecReason(lookahead=True)))
+    ahead = run(StepLoop(small, large, SpecReason(**LLM_JUDGE, lookahead=True)))
     assert [s.text for s in ahead.steps] == [s.text for s in plain.steps]
     assert [s.verdict for s in ahead.steps] == ["accepted", "rejected", "accepted", "accepted"]
     # a guess continued the draft "STEP small 1." while it was judged, and was thrown away
@@ -127,7 +129,7 @@ def thinking_then(answer: str, name: str) -> ScriptedModel:
 def test_budgets_stop_and_force_an_answer() -> None:
     small = thinking_then("unused", name="small")
     large = thinking_then("42", name="large")
-    result = run(StepLoop(small, large, SpecReason(), budget=StepBudget(max_steps=3)))
+    result = run(StepLoop(small, large, SpecReason(**LLM_JUDGE), budget=StepBudget(max_steps=3)))
     assert result.stop_reason == "max_steps"
     assert len(result.steps) == 4 and result.steps[-1].verdict == "final"
     assert result.steps[-1].text.endswith("\\boxed{42}") and result.steps[-1].author == "large"
@@ -140,7 +142,7 @@ def test_budgets_stop_and_force_an_answer() -> None:
 def test_large_call_cap_and_repetition_stop() -> None:
     large = ScriptedModel([f"large step {i} here.\n\n" for i in range(10)] + ["9"], logprobs=[digits(1)])
     small = ScriptedModel(small_steps(8), name="small")
-    result = run(StepLoop(small, large, SpecReason(), budget=StepBudget(max_large_calls=4)))
+    result = run(StepLoop(small, large, SpecReason(**LLM_JUDGE), budget=StepBudget(max_large_calls=4)))
     assert result.stop_reason == "max_large_calls"  # each rejected step costs a judge call and a rewrite
     repeating = ScriptedModel(["Let me add them.\n\n", "Let me add them.\n\n", "never"], name="small")
     result = run(StepLoop(repeating, ScriptedModel(["12"]), make_policy("small")))
@@ -165,9 +167,9 @@ def test_bad_policy_configs() -> None:
     with pytest.raises(ValueError, match="unknown step policy 'fast'"):
         make_policy("fast")
     with pytest.raises(ValueError, match="threshold"):
-        SpecReason(threshold=12)  # checked when the policy is built, not when a run first judges
+        SpecReason(**LLM_JUDGE, threshold=12)  # checked when the policy is built, not when a run first judges
     with pytest.raises(ValueError, match="first_large_steps"):
-        SpecReason(first_large_steps=-1)
+        SpecReason(**LLM_JUDGE, first_large_steps=-1)
     with pytest.raises(ValueError, match="max_steps"):
         StepBudget(max_steps=0)
     with pytest.raises(ValueError, match="problem"):
@@ -226,7 +228,7 @@ def test_likelihood_prm_scores_and_plugs_into_specreason() -> None:
 
     small = ScriptedModel(["a good step.\n\n", "a bad step.\n\n", "Answer: 1"], name="small")
     large = Scoring(["large step.\n\n"], name="large")
-    result = run(StepLoop(small, large, SpecReason(verifier=LikelihoodPRM(large, threshold=3.0))))
+    result = run(StepLoop(small, large, SpecReason(**LLM_JUDGE, verifier=LikelihoodPRM(large, threshold=3.0))))
     assert [(s.author, s.verdict, round(s.score, 2)) for s in result.steps[:2]] == [
         ("small", "accepted", 8.1), ("large", "rejected", 0.9)]
     assert result.steps[1].discarded == "a bad step.\n\n"
@@ -259,7 +261,7 @@ def test_agreement_judge_checks_digits_and_repairs_from_the_first_disagreement()
     # "41" is a wrong product the large model disagrees with; "sum" is a wording difference
     small = ScriptedModel(["17 * 3 = 51, the sum.\n\n", "17 * 2 = 41 so far.\n\n", "Answer: 85"], name="small")
     large = AgreeingModel([" 34 so far.\n\n"], gaps={"41": 3.0, "sum.": 2.0}, name="large")
-    result = run(StepLoop(small, large, SpecReason(judge="agreement", margin=1.0)))
+    result = run(StepLoop(small, large, SpecReason(gate_logprob=None, judge="agreement", margin=1.0)))
     steps = [(s.author, s.verdict, s.text) for s in result.steps]
     assert steps[:2] == [("small", "accepted", "17 * 3 = 51, the sum.\n\n"),
                          ("large", "repaired", "17 * 2 = 34 so far.\n\n")]
@@ -282,14 +284,14 @@ def test_agreement_judge_checks_digits_and_repairs_from_the_first_disagreement()
     with pytest.raises(ValueError, match="judge must be one of llm, agreement"):
         SpecReason(judge="prm")
     with pytest.raises(ValueError, match="specreason repair must be one of step, token, got 'word'"):
-        SpecReason(repair="word")
+        SpecReason(**LLM_JUDGE, repair="word")
 
 
 def test_token_repair_fixes_one_token_and_lets_the_small_model_go_on() -> None:
     # "41" is wrong: the large model puts its own " 34" there and the small model drafts the rest
     small = ScriptedModel(["17 * 2 = 41 so far.\n\n", " so far.\n\n", "Answer: 34"], name="small")
     large = AgreeingModel([], gaps={"41": 3.0}, fixes={"41": " 34"}, name="large")
-    policy = SpecReason(judge="agreement", word_margin=1.0, margin=1.0, repair="token")
+    policy = SpecReason(gate_logprob=None, judge="agreement", word_margin=1.0, margin=1.0, repair="token")
     result = run(StepLoop(small, large, policy))
     first = result.steps[0]
     assert (first.author, first.verdict, first.text) == ("small", "corrected", "17 * 2 = 34 so far.\n\n")
@@ -305,21 +307,21 @@ def test_token_repair_ends_the_step_where_the_correction_does_and_falls_back_to_
     # the large model would end the step after "5": its token closes the step, nothing more is drafted
     small = ScriptedModel(["The total is 5 and more.\n\n", "Answer: 5"], name="small")
     large = AgreeingModel([], gaps={"and": 2.0}, fixes={"and": ".\n\n"}, name="large")
-    result = run(StepLoop(small, large, SpecReason(judge="agreement", word_margin=1.0, repair="token")))
+    result = run(StepLoop(small, large, SpecReason(gate_logprob=None, judge="agreement", word_margin=1.0, repair="token")))
     assert (result.steps[0].verdict, result.steps[0].text) == ("corrected", "The total is 5.\n\n")
     assert len(small.calls) == 2 and result.steps[1].text == "Answer: 5"
     # every redraft fails again: after max_corrections fixes the large model writes the rest of the step
     small = ScriptedModel(["a bad1 b\n\n", " bad2 c\n\n", "Answer: 3"], name="small")
     large = AgreeingModel([" done.\n\n"], gaps={"bad1": 3.0, "bad2": 3.0}, fixes={"bad1": " ok1", "bad2": " ok2"},
                           name="large")
-    result = run(StepLoop(small, large, SpecReason(judge="agreement", word_margin=1.0, repair="token", max_corrections=1)))
+    result = run(StepLoop(small, large, SpecReason(gate_logprob=None, judge="agreement", word_margin=1.0, repair="token", max_corrections=1)))
     first = result.steps[0]
     assert (first.author, first.verdict, first.text) == ("large", "corrected", "a ok1 done.\n\n")
     assert first.tokens == {"small": 3 + 2, "large": 1 + 1} and first.judge_calls == 2
     assert large.calls[0].request.messages[-1]["content"] == "a ok1"
     for bad in ({"repair": "word"}, {"max_corrections": 0}):
         with pytest.raises(ValueError, match="repair|max_corrections"):
-            SpecReason(judge="agreement", **bad)
+            SpecReason(gate_logprob=None, judge="agreement", **bad)
 
 
 def test_router_train_command(tmp_path) -> None:
@@ -360,7 +362,7 @@ def test_forced_answer_keeps_nested_braces() -> None:
     """The box closes at the brace that balances it, not at the first "}" (`\\frac{1}{2}` was cut to `\\frac{1}`)."""
     small = thinking_then("unused", name="small")
     large = thinking_then("\\frac{1}{2}} and more text", name="large")
-    result = run(StepLoop(small, large, SpecReason(), budget=StepBudget(max_steps=2)))
+    result = run(StepLoop(small, large, SpecReason(**LLM_JUDGE), budget=StepBudget(max_steps=2)))
     final = result.steps[-1]
     assert final.text == "Therefore, the final answer is \\boxed{\\frac{1}{2}}"
     assert [c.request.stop for c in large.calls if c.kind == "generate"][-3:] == [["}"]] * 3
@@ -371,7 +373,7 @@ def test_forced_answer_budget_bounds_the_continuations() -> None:
     small = thinking_then("unused", name="small")
     large = thinking_then("{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{{}", name="large")
     budget = StepBudget(max_steps=1, final_answer_tokens=3)
-    result = run(StepLoop(small, large, SpecReason(), budget=budget))
+    result = run(StepLoop(small, large, SpecReason(**LLM_JUDGE), budget=budget))
     assert result.steps[-1].verdict == "final" and result.steps[-1].tokens["large"] <= 3
 
 

@@ -12,6 +12,8 @@ from thinkahead.step_spec.policies import SpecReason
 from thinkahead.step_spec.segment import SegmentConfig
 from thinkahead.verifiers.grading import MathChecker
 
+from tests.llm_judge import LLM_JUDGE
+
 pytestmark = pytest.mark.slow
 
 # GSM8K test split, problem 2 (reference answer 3)
@@ -34,7 +36,7 @@ def test_specreason_solves_a_gsm8k_problem_with_both_models(qwen_pair) -> None:
     # The first step goes to the large model; the judge (expected digit score) keeps small drafts
     # scoring 4.5 or more. These coder models score steps around 5 whether right or wrong, so the
     # threshold is low; see README, "Step-level results".
-    policy = SpecReason(threshold=4.5, score_mode="expected", first_large_steps=1)
+    policy = SpecReason(**LLM_JUDGE, threshold=4.5, score_mode="expected", first_large_steps=1)
     loop = StepLoop(small, large, policy, SegmentConfig(max_step_tokens=96), StepBudget(max_steps=12, max_tokens=700))
     result = asyncio.run(loop.run(PROBLEM + INSTRUCTION))
     assert MathChecker().check(result.reasoning, "3"), result.reasoning

@@ -14,13 +14,15 @@ from thinkahead.workflows.react import parse_turn
 from thinkahead.workflows.tools import calculator
 from thinkahead.workflows.vote import majority
 
+from tests.llm_judge import LLM_JUDGE
+
 JUDGE_YES = [{"9": -0.05}]
 
 
 def run(graph, question, small=None, large=None, policy="specreason"):
     small = small or ScriptedModel(outputs=["unused"])
     large = large or ScriptedModel(outputs=["unused"], logprobs=JUDGE_YES)
-    rt = Runtime(small, large, make_policy(policy))
+    rt = Runtime(small, large, make_policy(policy, **(LLM_JUDGE if policy == "specreason" else {})))
     return asyncio.run(rt.run(graph, {"question": question}))
 
 

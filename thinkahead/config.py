@@ -165,6 +165,20 @@ class OrchestratorConfig(BaseModel, extra="forbid"):
 
         return one_of(value, WORKFLOWS, "workflow")
 
+    @model_validator(mode="after")
+    def _policy_fits_the_models(self) -> OrchestratorConfig:
+        """A policy setting that needs token scores from a backend that returns none (`openai:`) is
+        refused here, before any model loads (model instances are checked by the runtime)."""
+        from thinkahead.models.loader import scores_tokens
+        from thinkahead.step_spec.specreason import scoring_needs
+
+        if self.policy.name == "specreason":
+            for tier, why in scoring_needs(self.policy).items():
+                spec = getattr(self, tier).spec
+                if not scores_tokens(spec):
+                    raise ValueError(f"policy: specreason's {why}, and {spec} returns none")
+        return self
+
     def store_identity(self) -> dict[str, Any]:
         """The settings a result store records: a resume must match them (all but `RESUME_NEUTRAL`)."""
         data = self.model_dump(mode="json")

@@ -23,6 +23,33 @@ class InputError(click.ClickException):
     exit_code = EXIT_INPUT
 
 
+OFF = "off"  # --gate-logprob off: check every draft
+
+
+class GateLogprob(click.ParamType):
+    """`--gate-logprob`: a log-probability below 0, or `off` (every draft is checked)."""
+
+    name = "LOGPROB|off"
+
+    def get_metavar(self, *args: Any, **kwargs: Any) -> str:
+        return self.name
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> float | str:
+        if isinstance(value, float) or value == OFF:
+            return value
+        if str(value).strip().lower() in (OFF, "none"):
+            return OFF
+        try:
+            return float(value)
+        except ValueError:
+            self.fail(f"{value!r} is neither a log-probability (e.g. -0.1) nor 'off'", param, ctx)
+
+
+def gate_setting(value: float | str | None) -> float | None:
+    """The policy's `gate_logprob` for a parsed `--gate-logprob` (`off` -> None: no gate)."""
+    return None if value == OFF else value
+
+
 def same_file(a: Path, b: Path) -> bool:
     """Whether two paths name one file (through links and relative paths)."""
     try:
@@ -79,9 +106,10 @@ def orchestrator_options(fn):
                      f"'heuristic', or a router JSON from `thinkahead router train` [{default('policy.router')}]."),
         click.option("--pre-router", default=None, help="specreason: a router (as --router) that hands steps to the "
                      "large model before the small model drafts them [none]."),
-        click.option("--gate-logprob", type=float, default=None,
+        click.option("--gate-logprob", type=GateLogprob(), default=None,
                      help="specreason: keep a draft unchecked when every token with digits has at least this "
-                          "log-probability under the small model (e.g. -0.5) [every draft is checked]."),
+                          "log-probability under the small model; 'off' checks every draft "
+                          f"[{default('policy.gate_logprob')}]."),
         click.option("--max-steps", type=int, default=None,
                      help=f"Steps per reasoning chain [{default('steps.max_steps')}]."),
         click.option("--max-tokens", type=int, default=None,
@@ -124,10 +152,11 @@ def build_settings(config_path, small, large, dtype, threshold, max_steps, max_t
         if record is not None:
             data[tier]["record"] = str(record)
     for key, value in (("threshold", threshold), ("judge", judge), ("margin", margin), ("word_margin", word_margin),
-                       ("repair", repair), ("router", router), ("pre_router", pre_router),
-                       ("gate_logprob", gate_logprob)):
+                       ("repair", repair), ("router", router), ("pre_router", pre_router)):
         if value is not None:
             data["policy"][key] = value
+    if gate_logprob is not None:
+        data["policy"]["gate_logprob"] = gate_setting(gate_logprob)
     if max_steps is not None:
         data["steps"]["max_steps"] = max_steps
     if max_tokens is not None:

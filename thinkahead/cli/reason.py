@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from thinkahead.cli.options import GateLogprob, gate_setting
 from thinkahead.config import default
 from thinkahead.models.weights import DTYPES
 from thinkahead.step_spec.policies import ALL_POLICY_NAMES, JUDGES, REPAIRS, SCORE_MODES, policy_entry
@@ -45,8 +46,9 @@ def _shown(option: str, policy: str = "specreason") -> str:
               help=f"arbitrage: 'trained', 'heuristic' or a router JSON {_shown('router', 'arbitrage')}.")
 @click.option("--pre-router", default=None, help="specreason: a router (as --router) that hands steps to the large "
               "model before they are drafted [none].")
-@click.option("--gate-logprob", type=float, default=None, help="specreason: keep a draft unchecked when every token "
-              "with digits has at least this log-probability under the small model [every draft is checked].")
+@click.option("--gate-logprob", type=GateLogprob(), default=None, help="specreason: keep a draft unchecked when every "
+              f"token with digits has at least this log-probability under the small model; 'off' checks every draft "
+              f"{_shown('gate_logprob')}.")
 @click.option("--pairs", "pairs_path", type=click.Path(dir_okay=False, path_type=Path), default=None, help="collect: JSONL file to append step pairs to.")
 @click.option("--max-steps", type=int, default=default("steps.max_steps"), show_default=True)
 @click.option("--max-tokens", type=int, default=default("steps.max_tokens"), show_default=True)
@@ -65,6 +67,8 @@ def reason(problem, small_spec, large_spec, policy, max_steps, max_tokens, step_
     if policy == "collect" and policy_options["pairs_path"] is None:
         raise click.UsageError("--policy collect needs --pairs FILE.jsonl")
     given = {key: value for key, value in policy_options.items() if value is not None}
+    if "gate_logprob" in given:
+        given["gate_logprob"] = gate_setting(given["gate_logprob"])
     try:
         step_policy = policy_entry(policy).build(given)  # the policy reads the options it has; its defaults the rest
         budget = StepBudget(max_steps=max_steps, max_tokens=max_tokens)
@@ -72,7 +76,10 @@ def reason(problem, small_spec, large_spec, policy, max_steps, max_tokens, step_
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
     small, large = LocalModel(small_spec, dtype=dtype), LocalModel(large_spec, dtype=dtype)
-    loop = StepLoop(small, large, step_policy, segment, budget, speculative=not no_token_spec)
+    try:
+        loop = StepLoop(small, large, step_policy, segment, budget, speculative=not no_token_spec)
+    except ValueError as exc:  # the policy cannot run on these models (it says which setting to change)
+        raise click.UsageError(str(exc)) from exc
     result = asyncio.run(loop.run(problem))
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=1))

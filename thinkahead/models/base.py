@@ -242,6 +242,12 @@ class LanguageModel(abc.ABC):
         prompt_ids = self.encode(prompt_text(self, request))
         return await self.token_logprobs(prompt_ids + ids, len(prompt_ids), top_k)
 
+    @property
+    def scores_tokens(self) -> bool:
+        """Whether this model scores a given continuation (`continuation_scores`): the agreement check
+        and the confidence gate need it. True where the backend overrides it."""
+        return type(self).continuation_scores is not LanguageModel.continuation_scores
+
     async def continuation_logprobs(self, prompt: str, continuation: str) -> list[float]:
         """Log-probability of each token of `continuation` after `prompt` (likelihood judges)."""
         raise NotImplementedError(f"{type(self).__name__} cannot score a given continuation")

@@ -15,6 +15,9 @@ from typing import Any
 from thinkahead.models.base import LanguageModel
 
 REMOTE_PREFIXES = ("openai:", "sglang:")
+# Backends that return no token log-probabilities and cannot score a given continuation (OpenAI's
+# chat API): the agreement check and the confidence gate cannot run on them.
+SCORELESS_PREFIXES = ("openai:",)
 LOCAL_ONLY_OPTIONS = {"dtype", "drafter", "max_draft", "kv_sessions"}  # dropped for remote backends
 
 
@@ -50,6 +53,11 @@ def check_model_spec(spec: str) -> str:
 
         resolve_model_spec(spec)
     return spec
+
+
+def scores_tokens(spec: str) -> bool:
+    """Whether the model `spec` names can score tokens (log-probabilities of a given continuation)."""
+    return not spec.strip().startswith(SCORELESS_PREFIXES)
 
 
 def load_model(spec: str | LanguageModel, **options: Any) -> LanguageModel:

@@ -87,6 +87,7 @@ class ChatServer:
                                         "thinkahead_requests_running": self.admission.running})
         self.created = int(time.time())
         self._orchestrators: dict[str, Orchestrator] = {}
+        self._orchestrators[config.policy.name] = self._build(config.policy.name)  # the default refuses at start
 
     @property
     def in_flight(self) -> int:
@@ -113,12 +114,22 @@ class ChatServer:
         return workflow, policy
 
     def orchestrator(self, policy: str) -> Orchestrator:
-        """The orchestrator of one step policy: the base config with that policy, the shared models."""
+        """The orchestrator of one step policy: the base config with that policy, the shared models;
+        a 400 where the policy's settings cannot run on these models (it names the setting)."""
         if policy not in self._orchestrators:
-            data = self.config.model_dump()
-            data["policy"]["name"] = policy  # keeps the policy settings (threshold, router, ...)
-            self._orchestrators[policy] = Orchestrator(self.small, self.large, config=data)
+            try:
+                self._orchestrators[policy] = self._build(policy)
+            except ValueError as exc:
+                raise RequestError(400, f"policy {policy!r} cannot run on this server's models: {exc}",
+                                   param="model", code="model_not_supported") from None
         return self._orchestrators[policy]
+
+    def _build(self, policy: str) -> Orchestrator:
+        data = self.config.model_dump()
+        data["policy"]["name"] = policy  # keeps the policy settings (threshold, router, ...)
+        orch = Orchestrator(self.small, self.large, config=data)
+        orch.runtime  # noqa: B018 - builds the policy over the shared models, which checks that it can run on them
+        return orch
 
     async def aclose(self) -> None:
         """Release the models this app loaded (the caller's own models stay open)."""
