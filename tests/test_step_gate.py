@@ -124,3 +124,16 @@ def test_the_shipped_router_loads_routes_and_reproduces_its_held_out_metrics() -
     assert tier in ("small", "large") and 0.0 <= p <= 1.0
     assert json.loads(Path(SHIPPED_ROUTERS["trained"]).read_text())["provenance"]["features"] == list(
         router.feature_names)
+
+
+def test_which_backends_score_tokens_agrees_with_the_spec_check() -> None:
+    # the config refuses by spec (before loading); the runtime by instance: both must say the same
+    from thinkahead.models.loader import load_model, scores_tokens
+    from thinkahead.models.sglang import SGLangModel
+
+    for spec in ("openai:qwen@http://127.0.0.1:9/v1", "sglang:http://127.0.0.1:9"):
+        model = load_model(spec)
+        assert model.scores_tokens == scores_tokens(spec), spec
+    assert isinstance(load_model("sglang:http://127.0.0.1:9"), SGLangModel)
+    assert LocalModel.continuation_scores is not ScriptedModel.continuation_scores  # local models score
+    assert not ScriptedModel().scores_tokens and AgreeingModel([], gaps={}).scores_tokens
