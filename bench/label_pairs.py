@@ -67,19 +67,22 @@ async def label(args: argparse.Namespace) -> None:
 
 def merge(pairs_path: Path, labels_path: Path) -> None:
     """Write each pair's agreement label (`small_fails`, `small_gap`) into the pairs file, atomically."""
+    from thinkahead.verifiers.router_pairs import pairs_lock
+
     labels = {key(row): row for row in map(json.loads, labels_path.read_text().splitlines()) if row}
-    lines = []
-    for line in pairs_path.read_text().splitlines():
-        if not line.strip():
-            continue
-        pair = json.loads(line)
-        row = labels.get(key(pair))
-        if row is not None:
-            pair["small_fails"], pair["small_gap"] = row["small_fails"], row["small_gap"]
-        lines.append(json.dumps(pair, ensure_ascii=False) + "\n")
-    tmp = pairs_path.with_suffix(".tmp")
-    tmp.write_text("".join(lines))
-    tmp.replace(pairs_path)
+    with pairs_lock(pairs_path):  # a collect run appending meanwhile waits, and its lines are kept
+        lines = []
+        for line in pairs_path.read_text().splitlines():
+            if not line.strip():
+                continue
+            pair = json.loads(line)
+            row = labels.get(key(pair))
+            if row is not None:
+                pair["small_fails"], pair["small_gap"] = row["small_fails"], row["small_gap"]
+            lines.append(json.dumps(pair, ensure_ascii=False) + "\n")
+        tmp = pairs_path.with_suffix(".tmp")
+        tmp.write_text("".join(lines))
+        tmp.replace(pairs_path)
     logging.info("merged %d agreement labels into %s", len(labels), pairs_path)
 
 

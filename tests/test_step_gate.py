@@ -137,3 +137,23 @@ def test_which_backends_score_tokens_agrees_with_the_spec_check() -> None:
     assert isinstance(load_model("sglang:http://127.0.0.1:9"), SGLangModel)
     assert LocalModel.continuation_scores is not ScriptedModel.continuation_scores  # local models score
     assert not ScriptedModel().scores_tokens and AgreeingModel([], gaps={}).scores_tokens
+
+
+def test_appends_to_a_pairs_file_wait_for_a_rewrite_holding_its_lock(tmp_path) -> None:
+    # bench/label_pairs.py rewrites the pairs file by a rename under this lock: a collect run's
+    # append meanwhile must wait, not land in the file about to be replaced
+    import threading
+    import time
+
+    from thinkahead.verifiers.router_pairs import pairs_lock
+
+    path = tmp_path / "pairs.jsonl"
+    pairs = pairs_with_labels(1)
+    with pairs_lock(path):
+        writer = threading.Thread(target=write_pairs, args=(path, pairs[:2]))
+        writer.start()
+        time.sleep(0.3)
+        assert not path.exists() and writer.is_alive()  # blocked on the lock
+        path.write_text("")  # the rewrite's result
+    writer.join(5)
+    assert read_pairs(path) == pairs[:2]

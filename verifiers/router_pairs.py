@@ -7,7 +7,8 @@ Both models write a step from the same prefix, both are scored, and the pair is 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -119,12 +120,28 @@ class PairedStep:
         )
 
 
+@contextmanager
+def pairs_lock(path: str | os.PathLike[str]) -> Iterator[None]:
+    """Hold the exclusive lock of a pairs file (a `PATH.lock` beside it, so that a writer that replaces
+    the file by a rename excludes appenders too): appends and rewrites never interleave."""
+    import fcntl
+
+    lock = Path(f"{os.fspath(path)}.lock")
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with lock.open("a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
 def write_pairs(path: str | os.PathLike[str], pairs: Iterable[PairedStep]) -> int:
-    """Append pairs to a JSONL file (one per line, flushed per line); returns how many."""
+    """Append pairs to a JSONL file (one per line, flushed per line, under `pairs_lock`); returns how many."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     count = 0
-    with target.open("a", encoding="utf-8") as fh:
+    with pairs_lock(target), target.open("a", encoding="utf-8") as fh:
         for pair in pairs:
             if not isinstance(pair, PairedStep):
                 raise ValueError(f"expected PairedStep, got {type(pair).__name__}")
