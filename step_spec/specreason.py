@@ -166,17 +166,27 @@ class SpecReasonRun:
         self._ahead: tuple[str, asyncio.Task[Written]] | None = None  # (reasoning it continues, draft task)
 
     async def next_step(self, ctx: StepContext) -> StepOutcome:
-        o = self.options
-        if ctx.index < o.first_large_steps:
+        if ctx.index < self.options.first_large_steps:
             return outcome(await write_step(ctx, "large"), "forced")
         t0 = time.perf_counter()
-        if self.router is not None:
-            tier, p = self.router.route(await router_features(ctx))
-            if tier == "large":
-                await self._drop_lookahead()
-                out = outcome(await write_step(ctx, "large"), "routed", route_p=p)
-                out.time_s = time.perf_counter() - t0
-                return out
+        out = await self._routed(ctx) or await self._drafted(ctx)
+        out.time_s = time.perf_counter() - t0
+        return out
+
+    async def _routed(self, ctx: StepContext) -> StepOutcome | None:
+        """The pre-router's choice: the large model writes the step undrafted ("routed"), or None."""
+        if self.router is None:
+            return None
+        tier, p = self.router.route(await router_features(ctx))
+        if tier != "large":
+            return None
+        await self._drop_lookahead()
+        return outcome(await write_step(ctx, "large"), "routed", route_p=p)
+
+    async def _drafted(self, ctx: StepContext) -> StepOutcome:
+        """The small model's draft, kept unchecked when it is confident, else checked and kept, repaired,
+        corrected or rewritten."""
+        o = self.options
         draft, hit = await self._draft(ctx)
         messages = ctx.messages()
         if o.gate_logprob is not None:
@@ -184,7 +194,6 @@ class SpecReasonRun:
             if confidence.min_digit_logprob >= o.gate_logprob:  # the small model is sure of every number
                 out = outcome(draft, "confident")
                 out.lookahead_hit = hit
-                out.time_s = time.perf_counter() - t0
                 return out
         if o.lookahead and not (draft.step.ends_thinking or draft.step.kind in ("final", "empty")):
             # guess that the draft passes: draft the following step while the judge works
@@ -204,7 +213,6 @@ class SpecReasonRun:
                 rewrite = await write_step(ctx, "large")
                 out = discard(outcome(rewrite, "rejected", score=verdict.score, judge_calls=1), draft)
         out.lookahead_hit = hit
-        out.time_s = time.perf_counter() - t0
         return out
 
     async def close(self) -> None:
