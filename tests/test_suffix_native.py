@@ -54,14 +54,49 @@ def check_drafts(py: SuffixTree, nt, rng: random.Random, vocab: int, pool: list[
             same_draft(py.speculate(a, 8, 2.0, 1.0, 0.1, True), nt.speculate(b, 8, 2.0, 1.0, 0.1, True))
 
 
+
+class Twins:
+    """A Python and a native tree driven by the same operations, and the sequences they hold."""
+
+    def __init__(self, depth: int) -> None:
+        self.py, self.nt = SuffixTree(depth), native.SuffixTree(depth)
+        self.live: dict[int, list[int]] = {}
+        self.done: dict[int, list[int]] = {}
+        self.next_id = 0
+
+    def add(self, seq: list[int]) -> None:  # a whole finished sequence
+        self.py.add(self.next_id, seq)
+        self.nt.add(self.next_id, seq)
+        self.done[self.next_id] = seq
+        self.next_id += 1
+
+    def extend(self, sid: int | None, new: list[int]) -> None:  # sid None: a new live sequence
+        if sid is None:
+            sid, self.next_id = self.next_id, self.next_id + 1
+            self.live[sid] = []
+        self.py.extend(sid, new)
+        self.nt.extend(sid, new)
+        self.live[sid] += new
+
+    def finish(self, rng: random.Random) -> None:
+        sid = rng.choice(list(self.live))
+        self.py.finish(sid)
+        self.nt.finish(sid)
+        self.done[sid] = self.live.pop(sid)
+
+    def remove(self, rng: random.Random) -> None:
+        sid = rng.choice(list(self.done))
+        self.py.remove(sid)
+        self.nt.remove(sid)
+        del self.done[sid]
+
+
 def run_global(seed: int, steps: int) -> None:
     rng = random.Random(seed)
     vocab = rng.choice([2, 3, 5, 20, 300])
     depth = rng.choice([2, 4, 8, 16])
-    py, nt = SuffixTree(depth), native.SuffixTree(depth)
-    live: dict[int, list[int]] = {}
-    done: dict[int, list[int]] = {}
-    next_id = 0
+    twins = Twins(depth)
+    py, nt = twins.py, twins.nt
     motif = [rng.randrange(vocab) for _ in range(rng.randrange(1, 12))]
 
     def tokens(n: int) -> list[int]:
@@ -73,35 +108,19 @@ def run_global(seed: int, steps: int) -> None:
     for _ in range(steps):
         op = rng.random()
         if op < 0.35:
-            seq = tokens(rng.randrange(1, 40))
-            py.add(next_id, seq)
-            nt.add(next_id, seq)
-            done[next_id] = seq
-            next_id += 1
+            twins.add(tokens(rng.randrange(1, 40)))
         elif op < 0.6:
-            sid = rng.choice(list(live)) if live and rng.random() < 0.7 else next_id
-            if sid == next_id:
-                next_id += 1
-                live[sid] = []
-            new = tokens(rng.randrange(1, 6))
-            py.extend(sid, new)
-            nt.extend(sid, new)
-            live[sid].extend(new)
-        elif op < 0.7 and live:
-            sid = rng.choice(list(live))
-            py.finish(sid)
-            nt.finish(sid)
-            done[sid] = live.pop(sid)
-        elif done:
-            sid = rng.choice(list(done))
-            py.remove(sid)
-            nt.remove(sid)
-            del done[sid]
+            sid = rng.choice(list(twins.live)) if twins.live and rng.random() < 0.7 else None
+            twins.extend(sid, tokens(rng.randrange(1, 6)))
+        elif op < 0.7 and twins.live:
+            twins.finish(rng)
+        elif twins.done:
+            twins.remove(rng)
         assert (py.num_nodes, py.num_tokens, py.version, py._order_entries) == (
             nt.num_nodes, nt.num_tokens, nt.version, nt._order_entries
         )
-        check_drafts(py, nt, rng, vocab, list(done.values()) + list(live.values()))
-    for sid, seq in {**done, **live}.items():
+        check_drafts(py, nt, rng, vocab, list(twins.done.values()) + list(twins.live.values()))
+    for sid, seq in {**twins.done, **twins.live}.items():
         assert nt.tokens(sid) == seq == py.tokens(sid)
 
 
@@ -196,46 +215,28 @@ def test_trees_agree_node_for_node(block: int) -> None:
         rng = random.Random(seed)
         vocab = rng.choice([2, 3, 50, 400])
         depth = rng.choice([3, 4, 8, 16])
-        py, nt = SuffixTree(depth), native.SuffixTree(depth)
+        twins = Twins(depth)
+        py, nt = twins.py, twins.nt
         motif = [rng.randrange(vocab) for _ in range(rng.randrange(2, 10))]
-        live: dict[int, list[int]] = {}
-        done: dict[int, list[int]] = {}
-        next_id = 0
         for _ in range(150):
             op = rng.random()
             if op < 0.5:
                 seq: list[int] = []
                 while len(seq) < rng.randrange(2, 30):
                     seq += motif if rng.random() < 0.5 else [rng.randrange(vocab)]
-                if live and rng.random() < 0.5:
-                    sid = rng.choice(list(live))
-                    py.extend(sid, seq)
-                    nt.extend(sid, seq)
-                    live[sid] += seq
+                if twins.live and rng.random() < 0.5:
+                    twins.extend(rng.choice(list(twins.live)), seq)
                 else:
-                    py.add(next_id, seq)
-                    nt.add(next_id, seq)
-                    done[next_id] = seq
-                    next_id += 1
+                    twins.add(seq)
             elif op < 0.6:
-                first = [rng.randrange(vocab)]
-                py.extend(next_id, first)
-                nt.extend(next_id, first)
-                live[next_id] = first
-                next_id += 1
-            elif op < 0.65 and live:
-                sid = rng.choice(list(live))
-                py.finish(sid)
-                nt.finish(sid)
-                done[sid] = live.pop(sid)
-            elif done:
-                sid = rng.choice(list(done))
-                py.remove(sid)
-                nt.remove(sid)
-                del done[sid]
+                twins.extend(None, [rng.randrange(vocab)])
+            elif op < 0.65 and twins.live:
+                twins.finish(rng)
+            elif twins.done:
+                twins.remove(rng)
             assert (py.num_nodes, py._order_entries) == (nt.num_nodes, nt._order_entries)
             assert structure(py) == as_tuples(nt._structure()), seed
-        for sid in live:  # the live sequences' cursors, through the drafts they give
+        for sid in twins.live:  # the live sequences' cursors, through the drafts they give
             pp, npos = py.live_positions(sid), nt.live_positions(sid)
             assert len(pp) == len(npos)
             same_draft(py.speculate(pp, 8, 2.0, 1.0, 0.1, True), nt.speculate(npos, 8, 2.0, 1.0, 0.1, True))
@@ -405,3 +406,41 @@ def test_the_sglang_plugins_tree_setting_does_not_pick_the_implementation(monkey
     assert settings.tree is False and settings.build_cache().tree_impl == "python"
     monkeypatch.setenv(suffix_impl.ENV_VAR, "native")
     assert settings.build_cache().tree_impl == "native"
+
+
+@pytest.mark.parametrize("prefer", ["first", "recent"])
+def test_prompt_lookup_native_index_drafts_as_the_dict_index(monkeypatch, prefer: str) -> None:
+    """PromptLookupDrafter with the native n-gram index against its Python dict index: the same drafts
+    through sessions (a kept index extended by the next turn), foreign contexts and every n-gram range."""
+    from thinkahead.token_spec.drafters import PromptLookupDrafter
+    from thinkahead.token_spec.verify import SamplingParams
+
+    params = SamplingParams()
+    for seed in range(40):
+        rng = random.Random(seed)
+        min_n = rng.randint(1, 3)
+        max_n = rng.randint(min_n, 4)
+        vocab = rng.choice([2, 5, 30])
+        nt = PromptLookupDrafter(max_ngram=max_n, min_ngram=min_n, prefer=prefer)
+        py = PromptLookupDrafter(max_ngram=max_n, min_ngram=min_n, prefer=prefer)
+        monkeypatch.setattr(py, "_new_index", dict)
+        assert not isinstance(nt._new_index(), dict)
+        prompt = [rng.randrange(vocab) for _ in range(rng.randrange(1, 30))]
+        for turn in range(3):
+            rid = (seed, turn)
+            for d in (nt, py):
+                d.start(rid, prompt, params, session_id=seed)
+            context = list(prompt)
+            for _ in range(25):
+                budget = rng.choice([0, 1, 4, 16])
+                a, b = nt.propose(rid, context, budget), py.propose(rid, context, budget)
+                same_draft(a, b)
+                foreign = [rng.randrange(vocab) for _ in range(rng.randrange(1, 12))]
+                same_draft(nt.propose(rid, foreign, 8), py.propose(rid, foreign, 8))
+                new = [rng.randrange(vocab) for _ in range(rng.randrange(1, 5))]
+                for d in (nt, py):
+                    d.observe(rid, new, a)
+                context += new
+            for d in (nt, py):
+                d.finish(rid)
+            prompt = context + [rng.randrange(vocab) for _ in range(rng.randrange(0, 6))]

@@ -20,8 +20,9 @@ previous turn's index instead of rebuilding it over the whole prompt.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Hashable, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Hashable, Protocol, Sequence, runtime_checkable
 
+from thinkahead.token_spec import suffix_impl
 from thinkahead.token_spec.draft import Draft
 from thinkahead.token_spec.names import common_prefix_len
 from thinkahead.token_spec.suffix_cache import SuffixCache, prompt_extension
@@ -104,7 +105,8 @@ class PromptLookupDrafter:
     As transformers' prompt lookup decoding: try n-gram sizes from `max_ngram`
     down to `min_ngram`; `prefer="first"` takes the earliest occurrence (as
     transformers does), `"recent"` (alias `"last"`) the latest one. Occurrences
-    are indexed incrementally per request, so a lookup costs a dict access; a
+    are indexed incrementally per request, so a lookup costs a dict access (a
+    native `NgramIndex` where the suffix tree's extension loads: the same drafts); a
     session's index is kept between its requests and extended with each turn's
     new tokens. Kept indexes are capped by count (`max_sessions`) and by their
     total tokens (`max_session_tokens`; an index costs roughly 100-200 bytes per
@@ -135,10 +137,10 @@ class PromptLookupDrafter:
         self._session_tokens = 0  # tokens held by the kept session indexes
         self.name = "prompt-lookup"
         self._tokens: dict[Hashable, list[int]] = {}
-        # rid -> n-gram -> end positions (exclusive) of its occurrences, in order
-        self._index: dict[Hashable, dict[tuple[int, ...], list[int]]] = {}
+        # rid -> n-gram -> end positions (exclusive) of its occurrences, in order (or a native NgramIndex)
+        self._index: dict[Hashable, Any] = {}
         self._session_of: dict[Hashable, Hashable] = {}
-        self._sessions: OrderedDict[Hashable, tuple[list[int], dict[tuple[int, ...], list[int]]]] = OrderedDict()
+        self._sessions: OrderedDict[Hashable, tuple[list[int], Any]] = OrderedDict()
 
     def start(
         self, rid: Hashable, prompt_ids: Sequence[int], params: SamplingParams, session_id: Hashable | None = None
@@ -155,8 +157,15 @@ class PromptLookupDrafter:
                     self._append(rid, new)
                     return
         self._tokens[rid] = []
-        self._index[rid] = {}
+        self._index[rid] = self._new_index()
         self._append(rid, prompt_ids)
+
+    def _new_index(self) -> Any:
+        """An empty n-gram index: the native one (`NgramIndex`, the same lookups) where the extension loads."""
+        native = suffix_impl.native_module()
+        if native is not None and self.max_ngram <= native.NgramIndex.MAX_N:
+            return native.NgramIndex(self.min_ngram, self.max_ngram)
+        return {}
 
     def _append(self, rid: Hashable, token_ids: Sequence[int]) -> None:
         tokens = self._tokens[rid]
@@ -164,8 +173,11 @@ class PromptLookupDrafter:
         tokens.extend(int(t) for t in token_ids)
         self._index_ngrams(tokens, self._index[rid], first_new)
 
-    def _index_ngrams(self, tokens: list[int], index: dict[tuple[int, ...], list[int]], first_new: int) -> None:
+    def _index_ngrams(self, tokens: list[int], index: Any, first_new: int) -> None:
         """Record the n-grams ending at each of tokens[first_new:]."""
+        if not isinstance(index, dict):  # native
+            index.extend(tokens[first_new:])
+            return
         for end in range(first_new + 1, len(tokens) + 1):
             for n in range(self.min_ngram, min(self.max_ngram, end) + 1):
                 index.setdefault(tuple(tokens[end - n:end]), []).append(end)
@@ -176,12 +188,17 @@ class PromptLookupDrafter:
             raise ValueError(f"request {rid!r} was not started")
         if len(context) != len(tokens) or list(context[-self.max_ngram:]) != tokens[-self.max_ngram:]:
             tokens = list(context)  # a foreign context: index it on the fly
-            index: dict[tuple[int, ...], list[int]] = {}
+            index: Any = {}
             self._index_ngrams(tokens, index, 0)
         else:
             index = self._index[rid]
         if budget <= 0:
             return Draft(source=self.name)
+        if not isinstance(index, dict):  # native: the same choice, made in one call
+            end, n = index.find(self.prefer == "recent")
+            if end < 0:
+                return Draft(source=self.name)
+            return Draft.chain(tokens[end:end + budget], match_len=n, source=self.name)
         last = len(tokens)
         for n in range(min(self.max_ngram, last - 1), self.min_ngram - 1, -1):
             ends = index.get(tuple(tokens[last - n:]))

@@ -64,7 +64,7 @@ def read_sessions(path: str | os.PathLike[str], model: str | None = None) -> lis
                 if record.get("end"):
                     open_sessions.pop((name, sid), None)
                     continue
-                turn = Turn([int(t) for t in record["prompt_ids"]], [int(t) for t in record["output_ids"]])
+                turn = Turn(list(map(int, record["prompt_ids"])), list(map(int, record["output_ids"])))
             except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
                 raise ValueError(f"{path}:{lineno}: not a token record ({exc})") from exc
             models.add(name)

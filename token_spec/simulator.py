@@ -10,12 +10,14 @@ steps. Drafting changes can then be compared on thousands of outputs at once.
   extends the previous turn's prompt + output) through any `Drafter`, passing
   the session id so drafters can continue their per-session state; it also times
   each turn's prompt ingestion (`Drafter.start`), the per-turn cache update.
+
+Both run a request's verify rounds through one loop, `verify_rounds`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Hashable, Iterable, Sequence
+from typing import Callable, Hashable, Iterable, Sequence
 import itertools
 import time
 
@@ -82,6 +84,43 @@ def accepted_prefix(draft: Draft, actual: Sequence[int], start: int = 0) -> int:
     return pos - start
 
 
+def verify_rounds(
+    propose: Callable[[list[int]], Draft],
+    observe: Callable[[list[int], Draft], object],
+    context: list[int],
+    output: list[int],
+    propose_s: list[float],
+    observe_s: list[float],
+    per_token: bool = False,
+) -> tuple[int, int, int]:
+    """One request's verify rounds against its recorded `output`: (steps, proposed, accepted) tokens.
+
+    Each round `propose(context)` drafts, the greedy verifier keeps the draft's matching prefix plus
+    one bonus token, and `observe(new, draft)` gets the committed tokens, which join `context` (in
+    place). Appends each round's propose and observe seconds (per committed token with `per_token`).
+    """
+    clock = time.perf_counter
+    pos = steps = proposed = accepted = 0
+    end = len(output)
+    while pos < end:
+        t0 = clock()
+        draft = propose(context)
+        t1 = clock()
+        hit = accepted_prefix(draft, output, pos)  # at most end - pos: all of it is committed
+        new = output[pos:pos + hit + 1]
+        t2 = clock()
+        observe(new, draft)
+        t3 = clock()
+        propose_s.append(t1 - t0)
+        observe_s.append((t3 - t2) / len(new) if per_token else t3 - t2)
+        proposed += len(draft)
+        accepted += hit
+        context += new
+        pos += len(new)
+        steps += 1
+    return steps, proposed, accepted
+
+
 def replay(
     cache: SuffixCache,
     records: Iterable[tuple[Sequence[int], Sequence[int]]],
@@ -94,26 +133,18 @@ def replay(
 ) -> ReplayStats:
     """Replay (prompt ids, output ids) pairs in order; outputs join the global tree as they finish."""
     stats = stats or ReplayStats()
-    clock = time.perf_counter
-    for i, (prompt, output) in enumerate(records):
+    params = (max_tokens, max_spec_factor, max_spec_offset, min_token_prob, tree)
+    for prompt, output in records:
         rid = ("replay", next(_request_ids))  # unique across replays: a reused id would evict
         cache.start_request(rid, prompt)
-        context = list(prompt)
-        pos = steps = 0
-        while pos < len(output):
-            t0 = clock()
-            draft = cache.speculate(rid, context, max_tokens, max_spec_factor, max_spec_offset, min_token_prob, tree)
-            stats.speculate_s.append(clock() - t0)
-            hit = accepted_prefix(draft, output, pos)
-            new = list(output[pos:pos + hit + 1])
-            stats.proposed_tokens += len(draft)
-            stats.accepted_tokens += min(hit, len(new))
-            t0 = clock()
-            cache.extend(rid, new)
-            stats.extend_s_per_token.append((clock() - t0) / len(new))
-            context += new
-            pos += len(new)
-            steps += 1
+        output = list(output)
+        steps, proposed, accepted = verify_rounds(
+            lambda context, rid=rid: cache.speculate(rid, context, *params),
+            lambda new, draft, rid=rid: cache.extend(rid, new),
+            list(prompt), output, stats.speculate_s, stats.extend_s_per_token, per_token=True,
+        )
+        stats.proposed_tokens += proposed
+        stats.accepted_tokens += accepted
         cache.stop_request(rid)
         stats.requests += 1
         stats.output_tokens += len(output)
@@ -228,24 +259,11 @@ def replay_sessions(
             stats.update_s.append(clock() - t0)
             stats.update_prompt_tokens.append(len(prompt))
             stats.update_new_tokens.append(new_tokens)
-            context = list(prompt)
-            pos = steps = proposed = accepted = 0
-            end = len(output)
-            while pos < end:
-                t0 = clock()
-                draft = propose(rid, context, max_tokens)
-                t1 = clock()
-                hit = accepted_prefix(draft, output, pos)  # at most end - pos: all of it is committed
-                new = output[pos:pos + hit + 1]
-                proposed += len(draft)
-                accepted += hit
-                t2 = clock()
-                observe(rid, new, draft)
-                observe_s.append(clock() - t2)
-                propose_s.append(t1 - t0)
-                context += new
-                pos += len(new)
-                steps += 1
+            steps, proposed, accepted = verify_rounds(
+                lambda context, rid=rid: propose(rid, context, max_tokens),
+                lambda new, draft, rid=rid: observe(rid, new, draft),
+                list(prompt), output, propose_s, observe_s,
+            )
             stats.proposed_tokens += proposed
             stats.accepted_tokens += accepted
             t0 = clock()

@@ -6,7 +6,8 @@
 // storage: nodes are 48-byte structs in one pool addressed by int32 indices (children as an
 // insertion-ordered sibling list, with a hash index once a node has WIDE_INDEX children), and
 // token lists are int32 buffers shared by the nodes that point into them (reference counted).
-// Nothing is a Python object, so Python's garbage collector has nothing to walk.
+// Nothing is a Python object, so Python's garbage collector has nothing to walk. The node pool and the
+// flat tables sit in transparent huge pages where Linux offers them (HugeAlloc, flat_map.hpp).
 //
 // Build with -ffp-contract=off: probabilities and budgets must round exactly as CPython's do.
 //
@@ -128,7 +129,7 @@ class NativeSuffixTree {
   int64_t order_entries_ = 0;
 
   // ------------------------------------------------------------------ storage
-  std::vector<Node> nodes_;
+  HugeVector<Node> nodes_;
   std::vector<int32_t> free_nodes_;
   std::vector<Buf> bufs_;
   std::vector<int32_t> free_bufs_;
@@ -148,15 +149,19 @@ class NativeSuffixTree {
   }
   int32_t tok_at(int32_t buf, int32_t i) const { return bufs_[buf].t[i]; }
 
-  int32_t new_buf() {
-    int32_t b;
-    if (!free_bufs_.empty()) {
-      b = free_bufs_.back();
-      free_bufs_.pop_back();
-    } else {
-      b = static_cast<int32_t>(bufs_.size());
-      bufs_.emplace_back();
+  // A freed slot of `pool` (the last freed first), else a new one at its end.
+  template <class Pool>
+  static int32_t take_slot(Pool& pool, std::vector<int32_t>& freed) {
+    if (!freed.empty()) {
+      const int32_t i = freed.back();
+      freed.pop_back();
+      return i;
     }
+    pool.emplace_back();
+    return static_cast<int32_t>(pool.size() - 1);
+  }
+  int32_t new_buf() {
+    const int32_t b = take_slot(bufs_, free_bufs_);
     bufs_[b].refs = 0;
     return b;
   }
@@ -180,14 +185,7 @@ class NativeSuffixTree {
   }
 
   int32_t new_node(int32_t buf, int32_t start, int32_t length, int32_t count, int32_t last) {
-    int32_t i;
-    if (!free_nodes_.empty()) {
-      i = free_nodes_.back();
-      free_nodes_.pop_back();
-    } else {
-      i = static_cast<int32_t>(nodes_.size());
-      nodes_.emplace_back();
-    }
+    const int32_t i = take_slot(nodes_, free_nodes_);
     Node& n = nodes_[i];
     n.count = count;
     n.buf = buf;

@@ -56,7 +56,23 @@ void NativeSuffixTree::append(Live& live, int32_t token) {
   merged.clear();
   const bool any_orders = !orders_.empty();
   const int32_t* cur = live.cursors.data();
-  for (size_t k = 0; k < ncur; ++k) {
+  const int32_t* cur_par = live.parents.data();
+  // The oldest cursors are mostly at the ends of leaves of this very sequence (its suffixes that left all
+  // stored text behind): each such leaf just grows by the token, the cursor stays. A tight loop over that
+  // leading run does what the general loop below would do for them, in the same order.
+  size_t k = 0;
+  Node* const pool = nodes_.data();
+  for (; k < ncur; ++k) {
+    const int32_t node = cur[k];
+    Node& nd = pool[node];
+    if (nd.nch != 0 || nd.count != 1 || nd.buf != sb || nd.start + nd.length != index) break;
+    nd.length += 1;
+    nd.last = index;
+    out[m] = node;
+    out_par[m] = cur_par[k];
+    ++m;
+  }
+  for (; k < ncur; ++k) {
     const int32_t node = cur[k];
     if (N(node).nch == 0) {
       Node& nd = N(node);
