@@ -1,8 +1,12 @@
-"""The native suffix tree (token_spec/native/: suffix_tree.hpp and its .cpp files), an optional extension.
+"""The optional native extensions; everything else is in pyproject.toml.
 
-Everything else is in pyproject.toml. The extension is `optional`: where it cannot be
-built the package installs without it and the pure-Python tree is used (with one
-warning, see token_spec/suffix_impl.py).
+- The suffix tree (token_spec/native/: suffix_tree.hpp and its .cpp files): where it cannot be
+  built the pure-Python tree is used (with one warning, see token_spec/suffix_impl.py).
+- The AVX2 int8 linear (thinkahead/models/native/int8_linear.cpp): where it cannot be built, or the
+  CPU lacks AVX2/FMA, int8 models use fbgemm's kernels (see thinkahead/models/int8_kernel.py). Its
+  AVX2 code is compiled per function (target attributes), so the module imports on any x86-64.
+
+Both are `optional`: the package installs without them.
 """
 
 from pybind11.setup_helpers import Pybind11Extension
@@ -21,6 +25,15 @@ setup(
             # Probabilities and budgets must round as CPython's: no fused multiply-add.
             extra_compile_args=["-O3", "-ffp-contract=off"],
             optional=True,
-        )
+        ),
+        Pybind11Extension(
+            "thinkahead.models._int8_native",
+            ["thinkahead/models/native/int8_linear.cpp"],
+            cxx_std=17,
+            # Bit-identical to fbgemm: every multiply and add rounds on its own (no contraction to FMA).
+            extra_compile_args=["-O3", "-ffp-contract=off"],
+            libraries=["dl"],  # dlopen of torch's libgomp (libc has it from glibc 2.34, older ones need libdl)
+            optional=True,
+        ),
     ],
 )

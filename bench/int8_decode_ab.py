@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
 from statistics import median
 
 import torch
+
+os.environ.setdefault("THINKAHEAD_INT8_KERNEL", "fbgemm")  # this bench times fbgemm's packed weights
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from offline_data import gsm8k

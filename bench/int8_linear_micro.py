@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 import warnings
@@ -23,6 +24,8 @@ from pathlib import Path
 from statistics import median
 
 import torch
+
+os.environ.setdefault("THINKAHEAD_INT8_KERNEL", "fbgemm")  # this bench times fbgemm's packed weights
 
 from thinkahead.models.quantize import RowwiseInt8Linear
 

@@ -14,6 +14,12 @@ import torch
 from thinkahead.models.quantize import X_SCALE, X_ZERO_POINT, RowwiseInt8Linear
 
 
+@pytest.fixture(autouse=True)
+def _fbgemm_kernel(monkeypatch):
+    """These tests pin fbgemm's path (tests/test_int8_native.py pins the native kernel to it)."""
+    monkeypatch.setenv("THINKAHEAD_INT8_KERNEL", "fbgemm")
+
+
 def _anchor_row_forward(layer: RowwiseInt8Linear, x: torch.Tensor) -> torch.Tensor:
     """The previous forward: per-row scaling, an anchor row pinning linear_dynamic's range to [-1, 1]."""
     rows = x.reshape(-1, layer.in_features).float()

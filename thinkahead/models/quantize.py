@@ -20,6 +20,11 @@ many tokens share the forward.
 
 Numerics: weights are rounded to int8 per output channel (on top of the 4-bit GGUF quantization the
 packaged models already carry); activations get 7 bits per token (fbgemm's reduce_range).
+
+Kernels: fbgemm's, or where built and supported our AVX2 kernel (thinkahead/models/int8_kernel.py,
+`$THINKAHEAD_INT8_KERNEL`), which computes the same float32 outputs bit for bit from weights that
+need no prepacking. A module keeps the kernel chosen when it was built (`_packed` holds fbgemm's
+packed weights or the native `Int8Weights`).
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ import warnings
 from typing import Any
 
 import torch
+
+from thinkahead.models import int8_kernel
 
 # fbgemm's int8 linear over float32 input quantized with given per-tensor parameters, float32 output
 # (None in a build without it; `quantize_int8` then refuses)
@@ -51,7 +58,7 @@ class RowwiseInt8Linear(torch.nn.Module):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # quantized tensor creation is deprecated but the kernels are current
             qweight = torch.quantize_per_channel(weight, scales, zero_points, 0, torch.qint8)
-            self._packed = torch.ops.quantized.linear_prepack(qweight, None)
+        self._packed = pack_int8(qweight.int_repr(), qweight.q_per_channel_scales())
         bias = linear.bias.detach().float() if linear.bias is not None else None
         self.register_buffer("bias", bias)
 
@@ -60,6 +67,8 @@ class RowwiseInt8Linear(torch.nn.Module):
         rows = x.reshape(-1, self.in_features)
         if rows.dtype != torch.float32:
             rows = rows.float()
+        if isinstance(self._packed, int8_kernel.Int8Weights):  # the same numbers, in one native call
+            return int8_kernel.linear(rows, self._packed, self.bias, X_SCALE).reshape(*shape[:-1], self.out_features)
         row_max = rows.abs().amax(1, keepdim=True).clamp_min_(1e-30)  # every scaled row lies in [-1, 1]
         # fbgemm quantizes the scaled rows with the fixed (X_SCALE, X_ZERO_POINT), accumulates in
         # int32 and dequantizes to float32: the same numbers as `linear_dynamic` over the rows plus
@@ -74,9 +83,30 @@ class RowwiseInt8Linear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def quantize_int8(model: Any) -> Any:
+def pack_int8(qweight: torch.Tensor, scales: torch.Tensor) -> Any:
+    """A `RowwiseInt8Linear._packed` for symmetric int8 weights [N, K] and their float64 scales [N]:
+    the native kernel's `Int8Weights` where `int8_kernel.kernel_choice()` picks it, else fbgemm's."""
+    if int8_kernel.kernel_choice() == int8_kernel.NATIVE:
+        return int8_kernel.pack(qweight, scales, X_SCALE, X_ZERO_POINT)
+    zero_points = torch.zeros(qweight.shape[0], dtype=torch.long)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        quantized = torch._make_per_channel_quantized_tensor(qweight, scales, zero_points, 0)
+        return torch.ops.quantized.linear_prepack(quantized, None)
+
+
+def unpack_int8(packed: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 weights [N, K], float64 scales [N]) of a `RowwiseInt8Linear._packed`, either kernel's."""
+    if isinstance(packed, int8_kernel.Int8Weights):
+        return int8_kernel.unpack(packed)
+    qweight, _ = torch.ops.quantized.linear_unpack(packed)
+    return qweight.int_repr(), qweight.q_per_channel_scales()
+
+
+def quantize_int8(model: Any, fuse: bool = True) -> Any:
     """Cast `model` to float32, replace every `nn.Linear` with `RowwiseInt8Linear` and switch to
-    batch-invariant attention, in place."""
+    batch-invariant attention, in place. With `fuse`, Qwen2 layers first get one linear for q/k/v and
+    one for gate/up (thinkahead/models/fused_qwen2.py: bit-identical outputs, fewer kernel calls)."""
     from thinkahead.models.exact_attention import use_exact_attention
 
     engines = torch.backends.quantized.supported_engines
@@ -86,6 +116,10 @@ def quantize_int8(model: Any) -> Any:
         raise ValueError(f"int8 needs quantized::linear_with_input_q_dq_qweight_dq_output_fp32 (torch {torch.__version__})")
     torch.backends.quantized.engine = "fbgemm"
     torch.nn.Module.float(model)  # transformers blocks `.float()` on GGUF-loaded models; the cast is plain torch
+    if fuse:
+        from thinkahead.models.fused_qwen2 import fuse_qwen2
+
+        fuse_qwen2(model)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, torch.nn.Linear):

@@ -10,15 +10,17 @@ Layout, under the folder of prepared models (`registry.default_cache_dir()`, `$T
 
 - ``model.safetensors``: every tensor of the converted model (parameters and buffers, persistent or
   not) by its module path; an int8 linear (`RowwiseInt8Linear`) as ``PATH.qweight`` (int8, per
-  output channel) and ``PATH.scales`` (float64) next to its ``PATH.bias`` buffer. The header's
-  metadata lists the int8 linears, which names are parameters and tied aliases.
+  output channel) and ``PATH.scales`` (float64) next to its ``PATH.bias`` buffer; fused Qwen2
+  linears under their fused names (``...self_attn.qkv_proj``, ``...mlp.gate_up_proj``). The header's
+  metadata lists the int8 linears, whether q/k/v and gate/up are fused, which names are parameters
+  and tied aliases.
 - ``config.json``, ``generation_config.json`` and the tokenizer's files (``save_pretrained``).
 - ``manifest.json``, written last: the key and every file's size and sha256.
 
 The key (`CacheKey`) is the source's sha256 (the registry's checksum of a packaged GGUF; else a
 hash of the GGUF file, or of every file of a model directory, computed once and remembered by
 path, size and mtime in ``weight-cache/sources.json``), the dtype, the transformers and torch
-versions, a digest of quantize.py (int8 only: changed conversion code gives new weights) and
+versions, a digest of quantize.py and fused_qwen2.py (int8 only: changed conversion code gives new weights) and
 `FORMAT_VERSION`. Its digest names the entry's folder.
 
 Safety: an entry is written in a temporary folder (files fsynced, manifest last) and renamed into
@@ -53,7 +55,7 @@ from thinkahead.models.registry import default_cache_dir
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 2  # bump when the layout or the rebuild code changes
+FORMAT_VERSION = 3  # bump when the layout or the rebuild code changes (3: fused q/k/v and gate/up)
 ENV_SWITCH = "THINKAHEAD_WEIGHT_CACHE"  # "0" / "false" / "off" / "no" disables the cache
 CACHE_DIRNAME = "weight-cache"
 MODEL_FILE = "model.safetensors"
@@ -123,12 +125,16 @@ class CacheKey:
 
 
 def _code_digest(dtype: str) -> str:
-    """For int8, a digest of quantize.py: new rounding or a new module layout means new weights."""
+    """For int8, a digest of quantize.py and fused_qwen2.py: new rounding or a new module layout means
+    new weights."""
     if dtype != "int8":
         return ""
-    from thinkahead.models import quantize
+    from thinkahead.models import fused_qwen2, quantize
 
-    return hashlib.sha256(Path(quantize.__file__).read_bytes()).hexdigest()[:16]
+    digest = hashlib.sha256()
+    for module in (quantize, fused_qwen2):
+        digest.update(Path(module.__file__).read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def make_key(label: str, source: str, dtype: str) -> CacheKey:

@@ -2,8 +2,11 @@
 
 `collect` turns a model (after GGUF dequantisation and, for int8, `quantize_int8`) into the tensors
 the weight cache stores (thinkahead/models/weight_cache.py); `rebuild` builds the same model from
-its saved config on the meta device (no memory, no random init), puts int8 linears where they
-were, and assigns every stored tensor in place, memory-mapped, so nothing is converted again.
+its saved config on the meta device (no memory, no random init), fuses q/k/v and gate/up where the
+stored model had them fused (thinkahead/models/fused_qwen2.py, on the meta skeleton), puts int8
+linears where they were, and assigns every stored tensor in place, memory-mapped, so nothing is
+converted again. An int8 linear is stored as its int8 weights and scales, whichever kernel packed
+it (`quantize.unpack_int8`), and packed again for the kernel of this process (`quantize.pack_int8`).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from thinkahead.models.weight_cache import (
 _QWEIGHT, _SCALES = "qweight", "scales"
 _INT8_ATTRIBUTES = frozenset({"in_features", "out_features", "_packed"})
 _INT8_BUFFERS = frozenset({"bias"})
+_FUSED_MODULE = "thinkahead.models.fused_qwen2"
 
 
 def _type_name(module: Any) -> str:
@@ -63,10 +67,24 @@ def skeleton(config: Any) -> Any:
     return model
 
 
-def _expected_types(model: Any, int8: list[str]) -> dict[str, str]:
+def _is_fused(model: Any) -> bool:
+    """Whether `model` holds q/k/v or gate/up linears fused by `fuse_qwen2` (without importing it)."""
+    return any(type(m).__module__ == _FUSED_MODULE for m in model.modules())
+
+
+def _skeleton(config: Any, fused: bool) -> Any:
+    model = skeleton(config)
+    if fused:
+        from thinkahead.models.fused_qwen2 import fuse_qwen2
+
+        fuse_qwen2(model)
+    return model
+
+
+def _expected_types(model: Any, int8: list[str], fused: bool) -> dict[str, str]:
     from thinkahead.models.quantize import RowwiseInt8Linear
 
-    types = {name: _type_name(module) for name, module in skeleton(model.config).named_modules()}
+    types = {name: _type_name(module) for name, module in _skeleton(model.config, fused).named_modules()}
     for name in int8:
         types[name] = f"{RowwiseInt8Linear.__module__}.{RowwiseInt8Linear.__qualname__}"
     return types
@@ -77,7 +95,7 @@ def collect(model: Any) -> tuple[dict[str, Any], dict[str, str]]:
     not give it back exactly."""
     import torch
 
-    from thinkahead.models.quantize import RowwiseInt8Linear
+    from thinkahead.models.quantize import RowwiseInt8Linear, unpack_int8
 
     tensors: dict[str, Any] = {}
     int8: list[str] = []
@@ -85,11 +103,11 @@ def collect(model: Any) -> tuple[dict[str, Any], dict[str, str]]:
         if isinstance(module, RowwiseInt8Linear):
             if not int8:
                 _check_int8_layout()
-            qweight, _ = torch.ops.quantized.linear_unpack(module._packed)
-            if qweight.qscheme() != torch.per_channel_affine or bool(qweight.q_per_channel_zero_points().any()):
+            qweight, scales = unpack_int8(module._packed)  # symmetric per channel: no zero points
+            if qweight.dtype != torch.int8 or scales.dtype != torch.float64 or scales.shape != (qweight.shape[0],):
                 raise Uncacheable(f"{name}: int8 weights are not symmetric per-channel")
-            tensors[f"{name}.{_QWEIGHT}"] = qweight.int_repr()
-            tensors[f"{name}.{_SCALES}"] = qweight.q_per_channel_scales()
+            tensors[f"{name}.{_QWEIGHT}"] = qweight
+            tensors[f"{name}.{_SCALES}"] = scales
             int8.append(name)
     seen: dict[int, str] = {}
     aliases: dict[str, str] = {}
@@ -112,9 +130,10 @@ def collect(model: Any) -> tuple[dict[str, Any], dict[str, str]]:
                 if not tensor.requires_grad:
                     frozen.append(name)
     types = {name: _type_name(module) for name, module in model.named_modules()}
-    if types != _expected_types(model, int8):
+    fused = _is_fused(model)
+    if types != _expected_types(model, int8, fused):
         raise Uncacheable("its modules differ from those its config builds")
-    meta = {"int8": int8, "params": params, "frozen": frozen, "aliases": aliases, "types": types}
+    meta = {"int8": int8, "fused": fused, "params": params, "frozen": frozen, "aliases": aliases, "types": types}
     return tensors, {_META_KEY: json.dumps(meta, separators=(",", ":"))}
 
 
@@ -184,13 +203,11 @@ def _int8_module(qweight: Any, scales: Any) -> Any:
 
 
 def _prepack(qweight: Any, scales: Any) -> Any:
-    """fbgemm's packed form of stored int8 weights (a copy in its own layout): the costly part of a
-    cached load (about 70 MB/s of weights per core on AVX2), and it releases the GIL."""
-    import torch
+    """The int8 kernel's packed form of stored int8 weights (a copy in its own layout); for fbgemm the
+    costly part of a cached load (about 70 MB/s of weights per core on AVX2), and it releases the GIL."""
+    from thinkahead.models.quantize import pack_int8
 
-    zero_points = torch.zeros(qweight.shape[0], dtype=torch.long)
-    quantized = torch._make_per_channel_quantized_tensor(qweight, scales, zero_points, 0)
-    return torch.ops.quantized.linear_prepack(quantized, None)
+    return pack_int8(qweight, scales)
 
 
 def _place(model: Any, name: str, value: Any, is_param: bool, requires_grad: bool) -> None:
@@ -214,16 +231,17 @@ def _place(model: Any, name: str, value: Any, is_param: bool, requires_grad: boo
 def rebuild(entry: Path, model_file: Path, dtype: str, name_or_path: str) -> tuple[Any, Any]:
     """(model, tokenizer) from a weight-cache entry: config and tokenizer files plus `model_file`.
 
-    The int8 weights are packed for fbgemm in `torch.get_num_threads()` threads, largest first,
+    The int8 weights are packed for the int8 kernel in `torch.get_num_threads()` threads, largest first,
     while this thread places the other tensors and reads the tokenizer."""
     import torch
     from safetensors import safe_open
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-    model = skeleton(AutoConfig.from_pretrained(entry))
+    config = AutoConfig.from_pretrained(entry)
     threads = max(1, torch.get_num_threads())
     with safe_open(model_file, framework="pt", device="cpu") as fh, ThreadPoolExecutor(threads) as pool:
         meta = json.loads((fh.metadata() or {})[_META_KEY])
+        model = _skeleton(config, bool(meta.get("fused", False)))
         int8: list[str] = meta["int8"]
         if int8:
             _check_int8_layout()
