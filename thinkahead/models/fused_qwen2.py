@@ -38,9 +38,12 @@ class FusedQwen2Attention(qwen2.Qwen2Attention):
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None,
+        cache: Any = None,
         past_key_values: Any = None,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # transformers >= 5.24 passes the KV cache as `cache`, earlier versions as `past_key_values`
+        cache = cache if cache is not None else past_key_values
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
         query, key, value = self.qkv_proj(hidden_states).split(self.qkv_sizes, dim=-1)
@@ -49,8 +52,8 @@ class FusedQwen2Attention(qwen2.Qwen2Attention):
         value = value.view(hidden_shape).transpose(1, 2)
         cos, sin = position_embeddings
         query, key = qwen2.apply_rotary_pos_emb(query, key, cos, sin)
-        if past_key_values is not None:
-            key, value = past_key_values.update(key, value, self.layer_idx)
+        if cache is not None:
+            key, value = cache.update(key, value, self.layer_idx)
         attention = qwen2.ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, qwen2.eager_attention_forward
         )
