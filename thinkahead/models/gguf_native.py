@@ -1,0 +1,245 @@
+"""A transformers model whose linears run on a GGUF file's own blocks (dtype "gguf").
+
+`build_model(gguf_path, config)` reads the file's tensor index (`read_index`: the header only; the
+vocabulary arrays are skipped, not parsed), builds the transformers model on the meta device, fuses
+Qwen2's q/k/v and gate/up (fused_qwen2.py), and puts in `GGUFLinear`s and a `GGUFEmbedding` over
+views of the memory-mapped file (thinkahead/models/kquant.py) plus the few float tensors (norms,
+biases). Nothing is dequantized or copied: a start costs the config and the tokenizer, which the
+weight cache keeps (weight_cache.py stores entries of dtype "gguf" without weights).
+
+Architectures: qwen2 (the packaged Qwen2.5 models). Others are refused by name: llama-family GGUFs
+store q/k rows permuted for their rope layout, which this loader does not undo.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+import torch
+
+from thinkahead.models.kquant import BLOCK_GEOMETRY, GGUFEmbedding, GGUFLinear, QuantTensor, blocks_view
+
+logger = logging.getLogger(__name__)
+
+ARCHITECTURES = ("qwen2",)
+_F32 = 0
+_DEFAULT_ALIGNMENT = 32
+# GGUF metadata value types: fixed sizes (bytes) by type id; 8 = string, 9 = array
+_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    type: int
+    shape: tuple[int, ...]  # GGUF order: the fastest-varying dimension first
+    offset: int  # from the start of the file
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFIndex:
+    path: Path
+    architecture: str
+    tensors: dict[str, TensorInfo]
+
+
+class _Reader:
+    def __init__(self, fh: BinaryIO, path: Path):
+        self.fh, self.path = fh, path
+
+    def take(self, fmt: str) -> Any:
+        size = struct.calcsize(fmt)
+        data = self.fh.read(size)
+        if len(data) != size:
+            raise ValueError(f"{self.path}: the GGUF header ends early (truncated file?)")
+        return struct.unpack(fmt, data)[0]
+
+    def string(self) -> str:
+        n = self.take("<Q")
+        if n > 1 << 24:
+            raise ValueError(f"{self.path}: a GGUF string of {n} bytes (corrupt header?)")
+        return self.fh.read(n).decode("utf-8", errors="replace")
+
+    def value(self, kind: int, keep: bool) -> Any:
+        if kind in _SCALAR_FORMATS:
+            return self.take(_SCALAR_FORMATS[kind])
+        if kind == 8:
+            return self.string()
+        if kind != 9:
+            raise ValueError(f"{self.path}: unknown GGUF value type {kind}")
+        item, count = self.take("<I"), self.take("<Q")
+        if item in _SCALAR_SIZES:  # skipped in one seek
+            self.fh.seek(_SCALAR_SIZES[item] * count, 1)
+            return None
+        for _ in range(count):  # strings (the vocabulary): lengths only
+            if item != 8:
+                self.value(item, False)
+            else:
+                self.fh.seek(self.take("<Q"), 1)
+        return None
+
+
+def read_index(path: str | Path) -> GGUFIndex:
+    """The architecture and tensor table of a GGUF file, from its header (arrays skipped)."""
+    path = Path(path)
+    with open(path, "rb") as fh:
+        reader = _Reader(fh, path)
+        if fh.read(4) != b"GGUF":
+            raise ValueError(f"{path} is not a GGUF file (bad magic)")
+        version = reader.take("<I")
+        if version not in (2, 3):
+            raise ValueError(f"{path}: GGUF version {version} is not supported (2 or 3)")
+        n_tensors, n_kv = reader.take("<Q"), reader.take("<Q")
+        meta: dict[str, Any] = {}
+        for _ in range(n_kv):
+            key = reader.string()
+            meta[key] = reader.value(reader.take("<I"), True)
+        infos: list[tuple[str, int, tuple[int, ...], int]] = []
+        for _ in range(n_tensors):
+            name = reader.string()
+            dims = tuple(reader.take("<Q") for _ in range(reader.take("<I")))
+            infos.append((name, reader.take("<I"), dims, reader.take("<Q")))
+        alignment = int(meta.get("general.alignment") or _DEFAULT_ALIGNMENT)
+        start = -(-fh.tell() // alignment) * alignment
+    size = path.stat().st_size
+    tensors = {}
+    for name, kind, dims, offset in infos:
+        tensors[name] = TensorInfo(kind, dims, start + offset)
+        if start + offset > size:
+            raise ValueError(f"{path}: tensor {name} lies past the end of the file (truncated?)")
+    return GGUFIndex(path, str(meta.get("general.architecture", "")), tensors)
+
+
+class _Tensors:
+    """Views of a GGUF file's tensors (one read-only memory map)."""
+
+    def __init__(self, index: GGUFIndex):
+        self.index = index
+        self.data = np.memmap(index.path, dtype=np.uint8, mode="r")
+
+    def has(self, name: str) -> bool:
+        return name in self.index.tensors
+
+    def _info(self, name: str) -> TensorInfo:
+        if name not in self.index.tensors:
+            raise ValueError(f"{self.index.path}: tensor {name} is missing")
+        return self.index.tensors[name]
+
+    def quant(self, name: str) -> QuantTensor:
+        info = self._info(name)
+        if info.type not in BLOCK_GEOMETRY or len(info.shape) != 2:
+            raise ValueError(f"{self.index.path}: tensor {name} has ggml type {info.type} and shape {info.shape}; "
+                             "dtype 'gguf' runs 2-D Q4_K, Q6_K, Q5_0 and Q8_0 tensors (use dtype 'int8')")
+        cols, rows = info.shape
+        values, nbytes = BLOCK_GEOMETRY[info.type]
+        row_bytes = cols // values * nbytes
+        end = info.offset + rows * row_bytes
+        if end > self.data.shape[0]:
+            raise ValueError(f"{self.index.path}: tensor {name} lies past the end of the file (truncated?)")
+        blocks = self.data[info.offset:end].reshape(rows, row_bytes)
+        return QuantTensor(name, info.type, rows, cols, blocks_view(blocks))
+
+    def float32(self, name: str) -> torch.Tensor:
+        info = self._info(name)
+        if info.type != _F32:
+            raise ValueError(f"{self.index.path}: tensor {name} has ggml type {info.type}, expected F32")
+        count = int(np.prod(info.shape))
+        values = self.data[info.offset:info.offset + 4 * count].view(np.float32)
+        return torch.from_numpy(values.copy()).reshape(tuple(reversed(info.shape)))
+
+
+def _linear(tensors: _Tensors, names: list[str]) -> GGUFLinear:
+    parts = [tensors.quant(f"{name}.weight") for name in names]
+    biases = [f"{name}.bias" for name in names]
+    present = [tensors.has(b) for b in biases]
+    if any(present) and not all(present):
+        raise ValueError(f"{tensors.index.path}: only some of {names} have a bias")
+    bias = torch.cat([tensors.float32(b) for b in biases]) if all(present) else None
+    return GGUFLinear(parts, bias)
+
+
+def _set_param(module: torch.nn.Module, name: str, value: torch.Tensor) -> None:
+    old = getattr(module, name)
+    if tuple(old.shape) != tuple(value.shape):
+        raise ValueError(f"{name}: the GGUF tensor has shape {tuple(value.shape)}, the model expects {tuple(old.shape)}")
+    setattr(module, name, torch.nn.Parameter(value, requires_grad=False))
+
+
+def _check_architecture(path: Path, config: Any, architecture: str | None = None) -> None:
+    for name in (architecture, config.model_type):
+        if name is not None and name not in ARCHITECTURES:
+            raise ValueError(f"dtype 'gguf' runs {', '.join(ARCHITECTURES)} GGUF files; {path.name} is '{name}' "
+                             "(use dtype 'int8')")
+
+
+def build_model(gguf_path: str | Path, config: Any) -> Any:
+    """The transformers model of `config` over the GGUF file's blocks (eval mode, float32 activations,
+    float64 attention); raises ValueError for an architecture or a tensor type it cannot run."""
+    from transformers import AutoModelForCausalLM
+
+    from thinkahead.models.exact_attention import use_exact_attention
+    from thinkahead.models.fused_qwen2 import FusedQwen2Attention, FusedQwen2MLP, fuse_qwen2
+
+    index = read_index(gguf_path)
+    _check_architecture(index.path, config, index.architecture)
+    tensors = _Tensors(index)
+    config.tie_word_embeddings = False  # the lm_head gets its own module below
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    fuse_qwen2(model)
+    inner = model.model
+    inner.embed_tokens = GGUFEmbedding(tensors.quant("token_embd.weight"))
+    output = "output.weight" if tensors.has("output.weight") else "token_embd.weight"
+    model.lm_head = GGUFLinear([tensors.quant(output)])
+    for i, layer in enumerate(inner.layers):
+        blk = f"blk.{i}"
+        attn, mlp = layer.self_attn, layer.mlp
+        if not isinstance(attn, FusedQwen2Attention) or not isinstance(mlp, FusedQwen2MLP):
+            raise ValueError(f"layer {i}: expected Qwen2 attention and MLP modules, got {type(attn).__name__}")
+        attn.qkv_proj = _linear(tensors, [f"{blk}.attn_q", f"{blk}.attn_k", f"{blk}.attn_v"])
+        attn.o_proj = _linear(tensors, [f"{blk}.attn_output"])
+        mlp.gate_up_proj = _linear(tensors, [f"{blk}.ffn_gate", f"{blk}.ffn_up"])
+        mlp.down_proj = _linear(tensors, [f"{blk}.ffn_down"])
+        _set_param(layer.input_layernorm, "weight", tensors.float32(f"{blk}.attn_norm.weight"))
+        _set_param(layer.post_attention_layernorm, "weight", tensors.float32(f"{blk}.ffn_norm.weight"))
+    _set_param(inner.norm, "weight", tensors.float32("output_norm.weight"))
+    inner.rotary_emb = type(inner.rotary_emb)(config=config)  # its inverse frequencies were made on meta
+    left = [name for name, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
+    if left:
+        raise ValueError(f"{index.path.name}: no GGUF tensor for {', '.join(left[:5])}")
+    use_exact_attention(model)
+    model.eval()
+    logger.debug("built %s over %s (%d tensors)", config.model_type, index.path, len(index.tensors))
+    return model
+
+
+def convert(gguf_path: Path) -> tuple[Any, Any]:
+    """(model, tokenizer) of a GGUF file, config and tokenizer converted from its metadata (slow: the
+    weight cache keeps them)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    _check_architecture(gguf_path, config)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    return _named(build_model(gguf_path, config), str(gguf_path.parent)), tokenizer
+
+
+def rebuild_entry(entry: Path, gguf_path: Path, name_or_path: str) -> tuple[Any, Any]:
+    """(model, tokenizer) from a weight-cache entry of dtype "gguf" (config and tokenizer files) over
+    the GGUF file's blocks."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    model = build_model(gguf_path, AutoConfig.from_pretrained(entry))
+    if (entry / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(entry)
+    return _named(model, name_or_path), AutoTokenizer.from_pretrained(entry)
+
+
+def _named(model: Any, name_or_path: str) -> Any:
+    model.config._name_or_path = name_or_path
+    return model

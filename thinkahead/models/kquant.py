@@ -1,0 +1,156 @@
+"""Linear and embedding layers computed on a GGUF file's own quantized blocks (dtype "gguf").
+
+Why: a CPU decode step is bound by the bytes of weights it reads and the work of unpacking them. The
+packaged models are Q4_K_M files (about 4.8 bits per weight); dtype "int8" dequantizes them and
+stores 8 bits per weight again. Here the weights stay in the file's blocks (memory-mapped, never
+converted), and the native kernel (thinkahead/models/native/kquant_linear.cpp) multiplies them
+with each row of activations quantized to 8 bits per block, as llama.cpp does.
+
+Exactness: every row of the activations is quantized on its own and every output's block sums are
+accumulated in one fixed order whatever the number of rows, so verifying k drafted tokens computes
+exactly what decoding them one by one computes (tests/test_kquant.py); with float64 attention
+(exact_attention.py) speculative greedy output equals plain greedy output.
+
+Block types: Q4_K and Q6_K (256 values per block; Q4_K_M files), Q5_0 and Q8_0 (32 values; the
+0.5B's Q4_K_M file uses them where rows are not a multiple of 256). Any other type is refused by
+name (`SUPPORTED_TYPES`).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from types import ModuleType
+
+import numpy as np
+import torch
+
+# ggml type ids (ggml.h) the kernel runs, by their GGUF names
+SUPPORTED_TYPES: dict[str, int] = {"Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
+_TYPE_NAMES = {v: k for k, v in SUPPORTED_TYPES.items()}
+# values and bytes per block
+BLOCK_GEOMETRY: dict[int, tuple[int, int]] = {6: (32, 22), 8: (32, 34), 12: (256, 144), 14: (256, 210)}
+
+_native: ModuleType | None = None
+_native_error: str | None = None
+
+
+def _load() -> ModuleType | None:
+    global _native, _native_error
+    if _native is None and _native_error is None:
+        try:
+            from thinkahead.models import _kquant_native  # type: ignore[attr-defined]
+        except ImportError as exc:
+            _native_error = f"the extension thinkahead.models._kquant_native is not built ({exc})"
+        else:
+            if _kquant_native.cpu_supported():
+                _native = _kquant_native
+            else:
+                _native_error = "this CPU lacks AVX2, FMA or F16C"
+    return _native
+
+
+def unavailable_reason() -> str | None:
+    """Why dtype "gguf" cannot run here (None: it can)."""
+    return None if _load() is not None else _native_error
+
+
+def kernel() -> ModuleType:
+    mod = _load()
+    if mod is None:
+        raise ValueError(f"dtype 'gguf' cannot run here: {_native_error}; use dtype 'int8'")
+    return mod
+
+
+@dataclass(frozen=True, slots=True)
+class QuantTensor:
+    """A 2-D GGUF tensor in its blocks: `blocks` uint8 [rows, row_bytes] for `rows` x `cols` values."""
+
+    name: str
+    type: int
+    rows: int
+    cols: int
+    blocks: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if self.type not in BLOCK_GEOMETRY:
+            raise ValueError(f"tensor {self.name}: ggml type {self.type} is not one of {', '.join(SUPPORTED_TYPES)}")
+        values, nbytes = BLOCK_GEOMETRY[self.type]
+        if self.cols % values:
+            raise ValueError(f"tensor {self.name}: {self.cols} columns is not a multiple of its block size {values}")
+        if tuple(self.blocks.shape) != (self.rows, self.cols // values * nbytes) or self.blocks.dtype != torch.uint8:
+            raise ValueError(f"tensor {self.name}: blocks {tuple(self.blocks.shape)} do not hold {self.rows} x "
+                             f"{self.cols} values of {_TYPE_NAMES[self.type]}")
+
+
+def blocks_view(data: np.ndarray) -> torch.Tensor:
+    """A torch view of read-only (memory-mapped) uint8 blocks; the layers only ever read it."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "non-writable NumPy array": read-only by design
+        return torch.from_numpy(data)
+
+
+class GGUFLinear(torch.nn.Module):
+    """`y = x @ W.T + b` where W is one GGUF tensor or several stacked along the outputs (fused q/k/v,
+    gate/up), each in its own block type; float32 in, float32 out."""
+
+    def __init__(self, parts: list[QuantTensor], bias: torch.Tensor | None = None):
+        super().__init__()
+        if not parts or len({p.cols for p in parts}) != 1:
+            raise ValueError("a GGUFLinear needs one or more tensors with the same number of columns")
+        self.in_features = parts[0].cols
+        self.out_features = sum(p.rows for p in parts)
+        if bias is not None and tuple(bias.shape) != (self.out_features,):
+            raise ValueError(f"bias {tuple(bias.shape)} does not match {self.out_features} outputs")
+        self.names = tuple(p.name for p in parts)
+        self._types = [p.type for p in parts]
+        self._rows = [p.rows for p in parts]
+        for i, part in enumerate(parts):
+            self.register_buffer(f"blocks{i}", part.blocks, persistent=False)
+        self.register_buffer("bias", None if bias is None else bias.float().contiguous(), persistent=False)
+        self._kernel = kernel()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        rows = x.reshape(-1, self.in_features)
+        if rows.dtype != torch.float32:
+            rows = rows.float()
+        rows = rows.contiguous()
+        out = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
+        biases, start = [], 0
+        for n in self._rows:
+            biases.append(0 if self.bias is None else self.bias.data_ptr() + 4 * start)
+            start += n
+        weights = [getattr(self, f"blocks{i}").data_ptr() for i in range(len(self._rows))]
+        self._kernel.linear(rows.data_ptr(), rows.shape[0], self.in_features, self._types, weights, self._rows,
+                            biases, out.data_ptr(), torch.get_num_threads())
+        return out.reshape(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        types = "+".join(_TYPE_NAMES[t] for t in self._types)
+        return f"in_features={self.in_features}, out_features={self.out_features}, types={types}"
+
+
+class GGUFEmbedding(torch.nn.Module):
+    """Embedding rows dequantized from a GGUF tensor's blocks on lookup (only the rows asked for)."""
+
+    def __init__(self, table: QuantTensor):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = table.rows, table.cols
+        self.name = table.name
+        self._type = table.type
+        self.register_buffer("blocks", table.blocks, persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        flat = ids.reshape(-1)
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
+            raise ValueError(f"token ids must lie in [0, {self.num_embeddings}), got {int(flat.min())}..{int(flat.max())}")
+        rows = self.blocks.index_select(0, flat).numpy()
+        values = dequantize(rows, GGMLQuantizationType(self._type))
+        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, type={_TYPE_NAMES[self._type]}"
