@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from transformers.models.qwen2 import modeling_qwen2 as qwen2
 
+from thinkahead.models.exact_attention import IMPLEMENTATION as EXACT_ATTENTION
+
 QKV, GATE_UP = "qkv_proj", "gate_up_proj"
 _QKV_PARTS, _GATE_UP_PARTS = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
 
@@ -53,6 +55,10 @@ class FusedQwen2Attention(qwen2.Qwen2Attention):
         cos, sin = position_embeddings
         query, key = qwen2.apply_rotary_pos_emb(query, key, cos, sin)
         if cache is not None:
+            if self.config._attn_implementation == EXACT_ATTENTION:
+                # float64 attention reads K/V in float64: keep them so in the cache (exact, the conversion
+                # is lossless), so that a step converts only its own tokens instead of the whole cache
+                key, value = key.double(), value.double()
             key, value = cache.update(key, value, self.layer_idx)
         attention = qwen2.ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, qwen2.eager_attention_forward

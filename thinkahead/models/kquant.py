@@ -78,9 +78,10 @@ class QuantTensor:
         values, nbytes = BLOCK_GEOMETRY[self.type]
         if self.cols % values:
             raise ValueError(f"tensor {self.name}: {self.cols} columns is not a multiple of its block size {values}")
-        if tuple(self.blocks.shape) != (self.rows, self.cols // values * nbytes) or self.blocks.dtype != torch.uint8:
+        if (tuple(self.blocks.shape) != (self.rows, self.cols // values * nbytes) or self.blocks.dtype != torch.uint8
+                or not self.blocks.is_contiguous()):
             raise ValueError(f"tensor {self.name}: blocks {tuple(self.blocks.shape)} do not hold {self.rows} x "
-                             f"{self.cols} values of {_TYPE_NAMES[self.type]}")
+                             f"{self.cols} values of {_TYPE_NAMES[self.type]} (contiguous uint8)")
 
 
 def blocks_view(data: np.ndarray) -> torch.Tensor:
@@ -109,6 +110,12 @@ class GGUFLinear(torch.nn.Module):
             self.register_buffer(f"blocks{i}", part.blocks, persistent=False)
         self.register_buffer("bias", None if bias is None else bias.float().contiguous(), persistent=False)
         self._kernel = kernel()
+        # The kernel's arguments, computed once (a decode step makes ~200 calls); `_keep` holds the
+        # tensors behind the addresses alive whatever happens to the module's buffers.
+        self._keep = [p.blocks for p in parts] + ([] if self.bias is None else [self.bias])
+        self._weights = [p.blocks.data_ptr() for p in parts]
+        offsets = [sum(self._rows[:i]) for i in range(len(parts))]
+        self._biases = [0 if self.bias is None else self.bias.data_ptr() + 4 * o for o in offsets]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -117,13 +124,8 @@ class GGUFLinear(torch.nn.Module):
             rows = rows.float()
         rows = rows.contiguous()
         out = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
-        biases, start = [], 0
-        for n in self._rows:
-            biases.append(0 if self.bias is None else self.bias.data_ptr() + 4 * start)
-            start += n
-        weights = [getattr(self, f"blocks{i}").data_ptr() for i in range(len(self._rows))]
-        self._kernel.linear(rows.data_ptr(), rows.shape[0], self.in_features, self._types, weights, self._rows,
-                            biases, out.data_ptr(), torch.get_num_threads())
+        self._kernel.linear(rows.data_ptr(), rows.shape[0], self.in_features, self._types, self._weights, self._rows,
+                            self._biases, out.data_ptr(), torch.get_num_threads())
         return out.reshape(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

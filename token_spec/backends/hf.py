@@ -7,8 +7,8 @@ operations a speculative decoder needs:
 - `keep_path`: after a tree forward, keep only the accepted root-to-node path (exact, no recompute);
 - `truncate`: roll the sequence back to a shorter prefix.
 
-The cache is a config-less `DynamicCache()`: every layer keeps all its keys/values, so it can
-always be cropped, and sliding-window layers (Gemma3) get their window from the attention mask.
+The cache is a config-less `DynamicCache` (a `GrowingCache`, kv_cache.py, that appends in place):
+every layer keeps all its keys/values, so it can always be cropped, and sliding-window layers (Gemma3) get their window from the attention mask.
 A cache built from the model config would drop old sliding-window states and refuse to crop
 once the window is full. See docs/token_spec.md for the measured pitfalls.
 """
@@ -20,7 +20,8 @@ from numbers import Integral
 from typing import TYPE_CHECKING
 
 import torch
-from transformers import DynamicCache
+
+from thinkahead.token_spec.backends.kv_cache import GrowingCache
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -76,7 +77,7 @@ class HFEngine:
 
     def new_session(self) -> EngineSession:
         """Start an empty sequence with its own croppable cache."""
-        return EngineSession(cache=DynamicCache())
+        return EngineSession(cache=GrowingCache())
 
     def forward(
         self,

@@ -43,6 +43,9 @@ enum Type : int { Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
 constexpr int64_t QK_K = 256;  // values per super-block (Q4_K, Q6_K)
 constexpr int64_t QK = 32;     // values per block (Q5_0, Q8_0)
 constexpr int MAX_MR = 4;      // rows of x sharing one unpacked weight block
+// Weight rows requested ahead of the one being computed (1.5B layers streamed from memory, 2 threads: no
+// prefetch 0.85 ms per 8960x1536 Q4_K layer, 1 row 0.42, 2-4 rows 0.39, 6 rows 0.50).
+constexpr int64_t PREFETCH_ROWS = 3;
 
 int64_t block_values(int type) { return type == Q4_K || type == Q6_K ? QK_K : QK; }
 
@@ -301,8 +304,15 @@ KQ_FN void run_chunk(const void* ctx, int64_t chunk) {
     const Job& job = *static_cast<const Job*>(ctx);
     const Part& part = job.parts[static_cast<size_t>(job.chunk_part[chunk])];
     const int64_t row_bytes = job.K / block_values(part.type) * block_bytes(part.type);
-    for (int64_t n = job.chunk_first[chunk]; n < job.chunk_last[chunk]; ++n) {
+    const int64_t last = job.chunk_last[chunk];
+    for (int64_t n = job.chunk_first[chunk]; n < last; ++n) {
         const uint8_t* w = part.w + n * row_bytes;
+        // The weights stream from memory once: ask for the row PREFETCH_ROWS ahead while this one computes
+        // (the hardware prefetcher alone streams them at less than half the speed).
+        if (n + PREFETCH_ROWS < last) {
+            const char* ahead = reinterpret_cast<const char*>(w + PREFETCH_ROWS * row_bytes);
+            for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
+        }
         const float bias = part.bias == nullptr ? 0.0f : part.bias[n];
         float res[MAX_MR];
         for (int64_t m = 0; m < job.M; m += MAX_MR) {
