@@ -15,15 +15,17 @@ All three are `optional`: the package installs without them.
 from pybind11.setup_helpers import Pybind11Extension
 from setuptools import setup
 
-# One job each: appending and matching, removal, drafting, CombinedDrafter's merge, the Python module.
-NATIVE_SOURCES = ("tree", "eviction", "drafting", "combined", "bindings")
+# One job each: appending and matching, removal, drafting, CombinedDrafter's merge, the simulator's verify
+# rounds, the Python module.
+NATIVE_SOURCES = ("tree", "eviction", "drafting", "combined", "replay", "bindings")
 
 setup(
     ext_modules=[
         Pybind11Extension(
             "thinkahead.token_spec._suffix_native",
             [f"token_spec/native/{name}.cpp" for name in NATIVE_SOURCES],
-            depends=["token_spec/native/suffix_tree.hpp", "token_spec/native/flat_map.hpp"],
+            depends=["token_spec/native/suffix_tree.hpp", "token_spec/native/flat_map.hpp",
+                     "token_spec/native/ngram_index.hpp"],
             cxx_std=17,
             # Probabilities and budgets must round as CPython's: no fused multiply-add.
             extra_compile_args=["-O3", "-ffp-contract=off"],

@@ -54,3 +54,27 @@ def test_repeated_outputs_are_drafted_from_the_global_tree() -> None:
     assert stats.accepted_tokens <= stats.proposed_tokens
     s = stats.summary()
     assert s["speculate_p50_us"] > 0 and s["accept_length"] == round(180 / stats.verify_steps, 4)
+
+
+def test_recordings_keep_their_token_lists_and_refuse_what_is_not_token_ids(tmp_path) -> None:
+    """`read_sessions` checks ids without copying them: integers pass as parsed, anything else names the line."""
+    import json
+
+    import pytest
+
+    from thinkahead.token_spec.recording import TokenRecorder, read_sessions
+
+    path = tmp_path / "tokens.jsonl"
+    recorder = TokenRecorder(path)
+    recorder.record("m", "s1", [1, 2, 3], [4, 5])
+    recorder.record("m", "s1", [1, 2, 3, 4, 5, 6], [2**40])
+    recorder.record("m", None, [7], [])
+    sessions = read_sessions(path)
+    assert [[(t.prompt_ids, t.output_ids) for t in s] for s in sessions] == [
+        [([1, 2, 3], [4, 5]), ([1, 2, 3, 4, 5, 6], [2**40])], [([7], [])]]
+    for bad in (["1", 2], [1.5], [2**70], "123", {"1": 2}, None):
+        broken = tmp_path / "broken.jsonl"
+        broken.write_text(path.read_text() + json.dumps(
+            {"model": "m", "session_id": "s2", "prompt_ids": [1], "output_ids": bad}) + "\n")
+        with pytest.raises(ValueError, match=r"broken.jsonl:4: not a token record"):
+            read_sessions(broken)

@@ -9,6 +9,7 @@ runs the same tasks under several configurations): that is a new session, not a 
 
 from __future__ import annotations
 
+from array import array
 import json
 import os
 import threading
@@ -64,8 +65,8 @@ def read_sessions(path: str | os.PathLike[str], model: str | None = None) -> lis
                 if record.get("end"):
                     open_sessions.pop((name, sid), None)
                     continue
-                turn = Turn(list(map(int, record["prompt_ids"])), list(map(int, record["output_ids"])))
-            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+                turn = Turn(_token_ids(record["prompt_ids"]), _token_ids(record["output_ids"]))
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError, OverflowError) as exc:
                 raise ValueError(f"{path}:{lineno}: not a token record ({exc})") from exc
             models.add(name)
             if model is not None and name != model:
@@ -74,7 +75,30 @@ def read_sessions(path: str | os.PathLike[str], model: str | None = None) -> lis
             if key not in open_sessions:
                 open_sessions[key] = []
                 sessions.append(open_sessions[key])
+            elif open_sessions[key]:
+                _share_prefix(turn, open_sessions[key][-1])
             open_sessions[key].append(turn)
     if model is None and len(models) > 1:
         raise ValueError(f"{path} holds generations of several models ({', '.join(sorted(models))}); pick one")
     return sessions
+
+
+def _share_prefix(turn: Turn, previous: Turn) -> None:
+    """Where `turn`'s prompt continues `previous` (prompt + output), hold that prefix as the very same ids.
+
+    Equal values either way; but a replay compares each prompt with the previous turn's conversation
+    once per drafter (and drafters again, to continue their sessions), and identical objects compare
+    at a pointer check each, where ids parsed apart compare as numbers.
+    """
+    old = previous.prompt_ids + previous.output_ids
+    prompt = turn.prompt_ids
+    if len(prompt) >= len(old) and prompt[:len(old)] == old:
+        turn.prompt_ids = old + prompt[len(old):]
+
+
+def _token_ids(value: object) -> list[int]:
+    """A record's token ids as parsed: a list of integers, checked in one C-level pass instead of copied."""
+    if type(value) is not list:
+        raise TypeError(f"token ids must be a list, got {type(value).__name__}")
+    array("q", value)  # TypeError for anything but integers, OverflowError beyond 64 bits
+    return value

@@ -221,6 +221,7 @@ def replay_sessions(
     stats: SessionReplayStats | None = None,
     use_sessions: bool = True,
     tag: Hashable = "replay",
+    native_rounds: bool = False,
 ) -> SessionReplayStats:
     """Replay sessions turn by turn through `drafter`, accepting greedily against the recorded outputs.
 
@@ -228,7 +229,9 @@ def replay_sessions(
     the longest matching path is kept plus one bonus token, and `observe` gets the
     committed tokens, as in the decoder. With `use_sessions` each turn passes its
     session's id to `Drafter.start` (drafts do not change, only the update cost);
-    without it every turn starts from scratch.
+    without it every turn starts from scratch. With `native_rounds` a turn's rounds run in the native
+    extension where it covers the drafter (`native_rounds.rounds_for`): the same counts, but no
+    per-call timings (`propose_s`, `observe_s` stay empty for those turns).
     """
     if max_tokens < 0:
         raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
@@ -240,12 +243,19 @@ def replay_sessions(
     params = SamplingParams()
     propose, observe = drafter.propose, drafter.observe
     propose_s, observe_s = stats.propose_s, stats.observe_s
+    native = None
+    if native_rounds:
+        from thinkahead.token_spec.native_rounds import rounds_for  # the drafters' internals: only when asked
+
+        native = rounds_for(drafter)
     for session in sessions:
         session_id = (tag, "session", next(_request_ids))  # unique: a reused id would continue another replay
-        previous: list[int] = []
+        previous: list[int] = []  # the previous turn's prompt + output
         for turn in session:
             prompt, output = (turn.prompt_ids, turn.output_ids) if isinstance(turn, Turn) else turn
-            prompt, output = list(prompt), list(output)
+            prompt = list(prompt)  # the drafter's own copy
+            if not isinstance(output, list):  # only read: no copy needed
+                output = list(output)
             if not prompt:
                 raise ValueError("every turn needs a non-empty prompt")
             extends = len(prompt) >= len(previous) and prompt[:len(previous)] == previous
@@ -259,11 +269,14 @@ def replay_sessions(
             stats.update_s.append(clock() - t0)
             stats.update_prompt_tokens.append(len(prompt))
             stats.update_new_tokens.append(new_tokens)
-            steps, proposed, accepted = verify_rounds(
-                lambda context, rid=rid: propose(rid, context, max_tokens),
-                lambda new, draft, rid=rid: observe(rid, new, draft),
-                list(prompt), output, propose_s, observe_s,
-            )
+            if native is not None:
+                steps, proposed, accepted = native(rid, output, max_tokens)
+            else:
+                steps, proposed, accepted = verify_rounds(
+                    lambda context, rid=rid: propose(rid, context, max_tokens),
+                    lambda new, draft, rid=rid: observe(rid, new, draft),
+                    list(prompt), output, propose_s, observe_s,
+                )
             stats.proposed_tokens += proposed
             stats.accepted_tokens += accepted
             t0 = clock()

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 import importlib
-import logging
 import os
 
 from thinkahead.token_spec.draft import Draft
@@ -25,8 +24,6 @@ from thinkahead.token_spec.suffix_tree import SuffixTree
 ENV_VAR = "THINKAHEAD_SUFFIX_IMPL"  # not _TREE: the SGLang plugin reads THINKAHEAD_SUFFIX_TREE (tree drafts, 0|1)
 IMPLEMENTATIONS = ("native", "python")
 NATIVE_MODULE = "thinkahead.token_spec._suffix_native"
-
-log = logging.getLogger(__name__)
 
 _native_module: Any = None
 _native_error: str | None = None
@@ -73,7 +70,9 @@ def tree_impl(impl: str | None = None) -> str:
         )
     if not _warned:
         _warned = True
-        log.warning(
+        import logging  # here: only the fallback logs, and `thinkahead simulate` starts faster without it
+
+        logging.getLogger(__name__).warning(
             "the native suffix tree (%s) is not available (%s): using the pure-Python tree, several times slower; "
             "reinstall with a C++ compiler present, or set %s=python to silence this",
             NATIVE_MODULE, _native_error, ENV_VAR,

@@ -52,7 +52,8 @@ def simulate(recordings: tuple[Path, ...], drafters: str, model: str | None, max
     gc.freeze()
     try:
         for kind in kinds:
-            stats = replay_sessions(model_free_drafter(kind), sessions, max_tokens=max_draft).summary()
+            stats = replay_sessions(model_free_drafter(kind), sessions, max_tokens=max_draft,
+                                    native_rounds=True).summary()
             rows.append((kind, f"{stats['tokens_per_step']:.3f}", f"{stats['draft_precision']:.3f}",
                          f"{stats['update_p50_ms']:.2f}"))
     finally:

@@ -1,6 +1,7 @@
 // The Python module `thinkahead.token_spec._suffix_native`: the tree, positions, batched and combined drafting.
 
 #include "suffix_tree.hpp"
+#include "ngram_index.hpp"
 
 #include <array>
 #include <functional>
@@ -78,76 +79,6 @@ struct Job {
 };
 
 
-// PromptLookupDrafter's n-gram index (token_spec/drafters.py), natively. The Python form keeps every end
-// position (exclusive) of every n-gram of n in [min_n, max_n]; its `propose` only ever reads the first
-// end, the last, and the one before the last (the context's own tail can only be the last one), so
-// those three are kept per n-gram, and a lookup is `propose`'s loop over n with the same choices.
-class NgramIndex {
- public:
-  static constexpr int MAX_N = 4;
-  NgramIndex(int min_n, int max_n) : min_n_(min_n), max_n_(max_n) {
-    if (min_n < 1 || max_n < min_n || max_n > MAX_N)
-      throw py::value_error("NgramIndex needs 1 <= min_n <= max_n <= " + std::to_string(MAX_N));
-  }
-  void extend(const std::vector<int64_t>& toks) {  // the n-grams ending at each new token
-    tokens_.reserve(tokens_.size() + toks.size());
-    for (int64_t t : toks) {
-      tokens_.push_back(t);
-      const int64_t end = static_cast<int64_t>(tokens_.size());
-      for (int n = min_n_; n <= max_n_ && n <= end; ++n) {
-        Ends& e = map_[key(end, n)];
-        if (e.first < 0) e.first = end;
-        e.prev = e.last;
-        e.last = end;
-      }
-    }
-  }
-  // (end, n): what followed the longest n-gram of the tail that occurred before (its first or its
-  // most recent earlier occurrence), or (-1, 0).
-  std::pair<int64_t, int> find(bool recent) const {
-    const int64_t last = static_cast<int64_t>(tokens_.size());
-    for (int64_t n = std::min<int64_t>(max_n_, last - 1); n >= min_n_; --n) {
-      auto it = map_.find(key(last, static_cast<int>(n)));
-      if (it == map_.end()) continue;
-      const Ends& e = it->second;
-      if (!recent) {
-        if (e.first < last) return {e.first, static_cast<int>(n)};
-      } else if (e.last < last) {
-        return {e.last, static_cast<int>(n)};
-      } else if (e.prev >= 0) {
-        return {e.prev, static_cast<int>(n)};
-      }
-    }
-    return {-1, 0};
-  }
-  size_t size() const { return tokens_.size(); }
-
- private:
-  struct Key {
-    std::array<int64_t, MAX_N> t;
-    int n;
-    bool operator==(const Key& o) const { return n == o.n && t == o.t; }
-  };
-  struct KeyHash {
-    size_t operator()(const Key& k) const {
-      uint64_t h = static_cast<uint64_t>(k.n);
-      for (int i = 0; i < k.n; ++i) h = (h ^ static_cast<uint64_t>(k.t[i])) * 0x9e3779b97f4a7c15ULL + (h >> 29);
-      return static_cast<size_t>(h ^ (h >> 32));
-    }
-  };
-  struct Ends {
-    int64_t first = -1, prev = -1, last = -1;
-  };
-  Key key(int64_t end, int n) const {
-    Key k{};
-    k.n = n;
-    for (int i = 0; i < n; ++i) k.t[i] = tokens_[end - n + i];
-    return k;
-  }
-  int min_n_, max_n_;
-  std::vector<int64_t> tokens_;
-  std::unordered_map<Key, Ends, KeyHash> map_;
-};
 }  // namespace
 }  // namespace thinkahead_suffix
 
@@ -341,6 +272,8 @@ PYBIND11_MODULE(_suffix_native, m) {
       .def("extend", &NgramIndex::extend)
       .def("find", &NgramIndex::find, py::arg("recent"))
       .def("__len__", &NgramIndex::size);
+
+  register_replay(m);
 
   m.def(
       "speculate_sources",

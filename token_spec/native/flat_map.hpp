@@ -58,6 +58,14 @@ struct HugeAlloc {
 template <class T>
 using HugeVector = std::vector<T, HugeAlloc<T>>;
 
+// Room for `more` elements at the end of `v`, growing geometrically: a sequence extended a few tokens at a
+// time (every verify round) must not be copied whole on each call, as an exact `reserve` would do.
+template <class V>
+inline void grow(V& v, size_t more) {
+  const size_t need = v.size() + more;
+  if (need > v.capacity()) v.reserve(need > 2 * v.capacity() ? need : 2 * v.capacity());
+}
+
 constexpr int32_t NO_CHILD = -1;  // as suffix_tree.hpp's NIL
 
 // A flat open-addressing hash map (linear probing, backward-shift deletion: no tombstones) from

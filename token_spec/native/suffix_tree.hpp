@@ -485,4 +485,7 @@ Found merge_found(const Sources& s, const std::vector<int32_t>& which, const std
                   int32_t budget, double min_score);
 std::pair<int32_t, int32_t> followed_found(const Found& f, const std::vector<int32_t>& actual);
 
+// ---------------------------------------------------------------------- the simulator's rounds (replay.cpp)
+void register_replay(py::module_& m);
+
 }  // namespace thinkahead_suffix

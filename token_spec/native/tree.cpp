@@ -16,7 +16,7 @@ void NativeSuffixTree::extend_vec(int64_t sid, const std::vector<int32_t>& toks)
     it = live_.emplace(sid, Live{b, {}, {}}).first;
   }
   Live& live = it->second;
-  bufs_[live.buf].t.reserve(bufs_[live.buf].t.size() + toks.size());
+  grow(bufs_[live.buf].t, toks.size());
   for (int32_t t : toks) append(live, t);
   stored_tokens_ += static_cast<int64_t>(toks.size());
   num_tokens_ += static_cast<int64_t>(toks.size());
