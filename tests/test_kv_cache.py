@@ -76,3 +76,13 @@ def test_sessions_never_share_a_buffer() -> None:
     engine.forward(first, [3, 4, 5])
     engine.forward(second, [3, 4, 5])
     assert first.cache.layers[0]._key_buffer.data_ptr() != second.cache.layers[0]._key_buffer.data_ptr()
+
+
+def test_a_cache_filled_under_inference_mode_still_appends_outside_it() -> None:
+    layer = GrowingLayer()
+    k = torch.ones(1, 2, 3, 4)
+    with torch.inference_mode():
+        layer.update(k, k)
+    with torch.no_grad():
+        keys, _ = layer.update(2 * k, 2 * k)
+    assert keys.shape[-2] == 6 and torch.equal(keys[..., 3:, :], 2 * k)

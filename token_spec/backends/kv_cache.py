@@ -34,7 +34,9 @@ class GrowingLayer(DynamicLayer):
         return (buffer is not None and self._value_buffer is not None and held > 0
                 and self.keys.data_ptr() == buffer.data_ptr() and self.values.data_ptr() == self._value_buffer.data_ptr()
                 and self.keys.shape[:2] == buffer.shape[:2] and self.keys.shape[-1] == buffer.shape[-1]
-                and self.keys.dtype == buffer.dtype)
+                and self.keys.dtype == buffer.dtype
+                # a buffer made under inference mode cannot be written outside it: copy to a new one
+                and (torch.is_inference_mode_enabled() or not buffer.is_inference()))
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
