@@ -18,13 +18,12 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from thinkahead.models import gguf_native, kquant
 from thinkahead.token_spec.backends.hf import HFEngine
-from thinkahead.token_spec.controller import FixedController
 from thinkahead.token_spec.decoder import SpeculativeDecoder, plain_greedy
 from thinkahead.token_spec.drafters import SuffixDrafter
 from thinkahead.token_spec.suffix_cache import SuffixCache
 
 from tests.test_kquant import random_blocks
-from tests.test_speculative_decoding import repetitive_prompt, seed_divergent_outputs
+from tests.test_speculative_decoding import assert_suffix_speculation_is_exact, repetitive_prompt
 from tests.tiny_models import VOCAB
 
 pytestmark = pytest.mark.skipif(kquant.unavailable_reason() is not None, reason=str(kquant.unavailable_reason()))
@@ -166,19 +165,7 @@ def test_logits_are_the_same_bits_decoded_or_verified_chain_and_tree(tiny_gguf) 
 def test_speculative_greedy_equals_plain_greedy(tiny_gguf, tree) -> None:
     path, _ = tiny_gguf
     engine = HFEngine(gguf_native.build_model(path, tiny_config()))
-    cache = SuffixCache(max_depth=24)
-    decoder = SpeculativeDecoder(engine, SuffixDrafter(cache, tree=tree, min_token_prob=0.05), FixedController(6))
-    accepted = 0
-    for seed in range(2):
-        prompt = repetitive_prompt(seed)
-        reference = plain_greedy(engine, prompt, 40)
-        if tree:
-            seed_divergent_outputs(cache, reference, seed)
-        for _ in range(2):
-            result = decoder.generate(prompt, max_new_tokens=40, stop_token_ids=[])
-            assert result.token_ids == reference
-            accepted += result.stats.spec_num_correct_drafts
-    assert accepted > 0
+    assert_suffix_speculation_is_exact(engine, tree)
 
 
 @pytest.mark.slow
@@ -186,14 +173,13 @@ def test_the_real_05b_speculates_exactly_and_matches_its_float_model() -> None:
     """Qwen2.5-Coder-0.5B Q4_K_M (Q5_0, Q8_0, Q4_K and Q6_K blocks) as dtype "gguf": speculative
     greedy with three drafters and a shared KV prefix equals plain greedy; the next-token choice
     agrees with transformers' float32 model of the dequantized weights on a real prompt."""
-    from transformers import AutoModelForCausalLM
-
-    from thinkahead.models.weights import load_causal_lm
     from thinkahead.token_spec.controller import MatchLengthController
     from thinkahead.token_spec.drafters import PromptLookupDrafter
     from thinkahead.token_spec.prefix_pool import KVPrefixPool
+    from transformers import AutoModelForCausalLM
 
     from tests.test_real_model import PROMPT, _prefilled
+    from thinkahead.models.weights import load_causal_lm
 
     model, tokenizer = load_causal_lm("qwen2.5-coder-0.5b", "gguf", weight_cache=False)
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
@@ -217,3 +203,36 @@ def test_the_real_05b_speculates_exactly_and_matches_its_float_model() -> None:
     with torch.no_grad():
         ours, theirs = model(ids).logits[0, len(prompt) - 1:], floats(ids).logits[0, len(prompt) - 1:]
     assert (ours.argmax(-1) == theirs.argmax(-1)).float().mean() > 0.9
+
+
+@pytest.mark.slow
+def test_gguf_weight_cache_entries_hold_no_weights_round_trip_and_are_rebuilt(tmp_path, caplog) -> None:
+    """dtype "gguf" caches only config and tokenizer: a warm load gives the fresh load's logits, and a
+    damaged entry is deleted with a warning and rebuilt, never used."""
+    import logging
+
+    from thinkahead.models import weight_cache, weights
+    from thinkahead.models.registry import prepare
+
+    spec = f"gguf:{prepare('qwen2.5-coder-0.5b')}"
+    ids = torch.tensor([[9707, 11, 1879, 0, 3555, 374, 220, 17]])
+
+    def logits(model) -> torch.Tensor:
+        with torch.no_grad():
+            return model(ids).logits
+
+    fresh, _ = weights.load_causal_lm(spec, "gguf", cache_dir=tmp_path, weight_cache=False)
+    weights.load_causal_lm(spec, "gguf", cache_dir=tmp_path, weight_cache=True)  # converts, stores
+    entry = weights.weight_cache_entry(spec, "gguf", cache_dir=tmp_path)
+    assert weights.is_weight_cached(spec, "gguf", cache_dir=tmp_path, weight_cache=True)
+    assert not (entry / weight_cache.MODEL_FILE).exists() and (entry / "tokenizer.json").is_file()
+    warm, tokenizer = weights.load_causal_lm(spec, "gguf", cache_dir=tmp_path, weight_cache=True)
+    assert torch.equal(logits(warm), logits(fresh))
+    assert tokenizer.decode(ids[0]) == "Hello, world! What is 2"
+    tok = entry / "tokenizer.json"
+    tok.write_bytes(tok.read_bytes()[:-100])  # truncated
+    with caplog.at_level(logging.WARNING, logger="thinkahead.models.weight_cache"):
+        again, _ = weights.load_causal_lm(spec, "gguf", cache_dir=tmp_path, weight_cache=True)
+    assert any("not usable" in r.getMessage() for r in caplog.records)
+    assert torch.equal(logits(again), logits(fresh))
+    assert weights.is_weight_cached(spec, "gguf", cache_dir=tmp_path, weight_cache=True)

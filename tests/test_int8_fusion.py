@@ -18,12 +18,8 @@ from thinkahead.models import quantize, weights
 from thinkahead.models.fused_qwen2 import FusedQwen2Attention, FusedQwen2MLP, fuse_qwen2
 from thinkahead.models.quantize import RowwiseInt8Linear, quantize_int8, unpack_int8
 from thinkahead.token_spec.backends.hf import HFEngine
-from thinkahead.token_spec.controller import FixedController
-from thinkahead.token_spec.decoder import SpeculativeDecoder, plain_greedy
-from thinkahead.token_spec.drafters import SuffixDrafter
-from thinkahead.token_spec.suffix_cache import SuffixCache
 
-from tests.test_speculative_decoding import repetitive_prompt, seed_divergent_outputs
+from tests.test_speculative_decoding import assert_suffix_speculation_is_exact
 from tests.tiny_models import VOCAB
 
 
@@ -84,19 +80,7 @@ def test_fused_speculative_greedy_equals_plain_greedy(tree) -> None:
     model = quantize_int8(copy.deepcopy(_qwen2(intermediate=128, layers=2)))
     assert any(isinstance(m, FusedQwen2MLP) for m in model.modules())
     engine = HFEngine(model)
-    cache = SuffixCache(max_depth=24)
-    decoder = SpeculativeDecoder(engine, SuffixDrafter(cache, tree=tree, min_token_prob=0.05), FixedController(6))
-    accepted = 0
-    for seed in range(2):
-        prompt = repetitive_prompt(seed)
-        reference = plain_greedy(engine, prompt, 40)
-        if tree:
-            seed_divergent_outputs(cache, reference, seed)
-        for _ in range(2):
-            result = decoder.generate(prompt, max_new_tokens=40, stop_token_ids=[])
-            assert result.token_ids == reference
-            accepted += result.stats.spec_num_correct_drafts
-    assert accepted > 0
+    assert_suffix_speculation_is_exact(engine, tree)
 
 
 def test_other_architectures_and_subclasses_are_not_fused(tiny_model_factory) -> None:

@@ -137,3 +137,27 @@ def test_embedding_rows_are_dequantized_on_lookup() -> None:
     assert torch.equal(table(ids), expected)
     with pytest.raises(ValueError, match=r"token ids must lie in \[0, 50\)"):
         table(torch.tensor([[50]]))
+
+
+@pytest.mark.parametrize("name", list(TYPES))
+def test_the_avx_vnni_build_gives_the_avx2_builds_bits(name) -> None:
+    native = kquant.kernel()
+    try:
+        native.set_isa("avxvnni")
+    except ValueError:
+        pytest.skip("this CPU lacks AVX-VNNI")
+    kind = TYPES[name]
+    cols = 512 if kind in (T.Q4_K, T.Q6_K) else 96
+    layer = kquant.GGUFLinear([quant_tensor("w", kind, 200, cols, seed=7)[0]], torch.randn(200))
+    x = torch.randn(9, cols) * 2
+    try:
+        outputs = {}
+        for isa in ("avx2", "avxvnni"):
+            native.set_isa(isa)
+            outputs[isa] = [layer(x[:m]) for m in (1, 2, 3, 4, 9)]
+    finally:
+        native.set_isa("avxvnni")
+    for a, b in zip(outputs["avx2"], outputs["avxvnni"], strict=True):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="avx2 or avxvnni"):
+        native.set_isa("sse")

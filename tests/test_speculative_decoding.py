@@ -55,6 +55,24 @@ def repetitive_prompt(seed: int, length: int = 36) -> list[int]:
     return out[:length]
 
 
+def assert_suffix_speculation_is_exact(engine, tree: bool) -> None:
+    """Speculative greedy with the suffix drafter (chain or tree) equals plain greedy on repetitive
+    prompts, twice per prompt (the second time drafting from the first's output), and drafts are kept."""
+    cache = SuffixCache(max_depth=24)
+    decoder = SpeculativeDecoder(engine, SuffixDrafter(cache, tree=tree, min_token_prob=0.05), FixedController(6))
+    accepted = 0
+    for seed in range(2):
+        prompt = repetitive_prompt(seed)
+        reference = plain_greedy(engine, prompt, 40)
+        if tree:
+            seed_divergent_outputs(cache, reference, seed)
+        for _ in range(2):
+            result = decoder.generate(prompt, max_new_tokens=40, stop_token_ids=[])
+            assert result.token_ids == reference
+            accepted += result.stats.spec_num_correct_drafts
+    assert accepted > 0
+
+
 def make_drafter(kind: str, draft_engine):
     if kind == "suffix":
         return SuffixDrafter(SuffixCache(max_depth=24))

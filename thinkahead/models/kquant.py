@@ -11,6 +11,10 @@ accumulated in one fixed order whatever the number of rows, so verifying k draft
 exactly what decoding them one by one computes (tests/test_kquant.py); with float64 attention
 (exact_attention.py) speculative greedy output equals plain greedy output.
 
+ISA: the dot products are compiled twice (native/kquant_dots.inc), for AVX2 and for AVX-VNNI, whose
+multiply-add instructions give the same integers in the same lanes: the same bits either way
+(`set_isa` in tests); AVX-VNNI is used where the CPU has it (1.1-1.4x fewer cycles per layer).
+
 Block types: Q4_K and Q6_K (256 values per block; Q4_K_M files), Q5_0 and Q8_0 (32 values; the
 0.5B's Q4_K_M file uses them where rows are not a multiple of 256). Any other type is refused by
 name (`SUPPORTED_TYPES`).

@@ -24,10 +24,12 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <stdexcept>
 #include <vector>
 
@@ -36,7 +38,6 @@ using thinkahead_native::as_ptr;
 
 namespace {
 
-#define KQ_FN __attribute__((target("avx2,fma,f16c")))
 
 // ggml's type ids (ggml.h) and block geometry.
 enum Type : int { Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
@@ -69,19 +70,6 @@ struct alignas(4) Q8B {  // x per 32 values
     int8_t qs[QK];
     float d;
 };
-
-KQ_FN inline float fp16(const uint8_t* p) {
-    uint16_t h;
-    std::memcpy(&h, p, 2);
-    return _cvtsh_ss(h);
-}
-
-KQ_FN inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
 
 // ---- activation quantization (scalar: a few thousand values per row, next to megabytes of weights) --
 
@@ -130,140 +118,6 @@ void quantize_q8b(const float* x, int64_t K, Q8B* out) {
     }
 }
 
-// ---- dot products of one weight row with MR rows of x --------------------------------------------
-
-template <int MR>
-KQ_FN void dot_q4k(const uint8_t* w, int64_t nb, const Q8K* const* x, float* res) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
-    __m256 acc[MR];
-    __m128 acc_m[MR];
-    for (int r = 0; r < MR; ++r) { acc[r] = _mm256_setzero_ps(); acc_m[r] = _mm_setzero_ps(); }
-    for (int64_t i = 0; i < nb; ++i) {
-        const uint8_t* b = w + i * 144;
-        const float wd = fp16(b), wdmin = fp16(b + 2);
-        // The 6-bit scales and mins, unpacked with 32-bit masks: bytes 0-7 scales, 8-15 mins (llama.cpp's trick).
-        uint32_t u[4];
-        std::memcpy(u, b + 4, 12);
-        u[3] = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4);
-        const uint32_t low_mins = u[1] & 0x3f3f3f3f;
-        u[1] = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);
-        u[2] = low_mins;
-        u[0] &= 0x3f3f3f3f;
-        const __m256i scales_mins = _mm256_cvtepu8_epi16(_mm_set_epi32(static_cast<int>(u[3]), static_cast<int>(u[2]),
-                                                                       static_cast<int>(u[1]), static_cast<int>(u[0])));
-        const __m128i mins = _mm256_extracti128_si256(scales_mins, 1);
-        const __m256i scales = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(scales_mins));
-        __m256i sumi[MR];
-        for (int r = 0; r < MR; ++r) {
-            const Q8K& y = x[r][i];
-            const __m128i q8s = _mm_hadd_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(y.bsums)),
-                                               _mm_loadu_si128(reinterpret_cast<const __m128i*>(y.bsums + 8)));
-            const __m128i prod = _mm_madd_epi16(mins, q8s);  // sum_j mins[j] * (sum of x in sub-block j)
-            acc_m[r] = _mm_fmadd_ps(_mm_set1_ps(-y.d * wdmin), _mm_cvtepi32_ps(prod), acc_m[r]);
-            sumi[r] = _mm256_setzero_si256();
-        }
-        const uint8_t* qs = b + 16;
-        for (int j = 0; j < 4; ++j) {
-            const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j));
-            const __m256i lo = _mm256_and_si256(bits, m4);                         // values 64 j + l
-            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);  // values 64 j + 32 + l
-            const __m256i sl = _mm256_shuffle_epi8(scales, _mm256_set1_epi16(static_cast<short>(0x0100 * (4 * j + 1) + 4 * j)));
-            const __m256i sh = _mm256_shuffle_epi8(scales, _mm256_set1_epi16(static_cast<short>(0x0100 * (4 * j + 3) + 4 * j + 2)));
-            for (int r = 0; r < MR; ++r) {
-                const int8_t* q8 = x[r][i].qs + 64 * j;
-                const __m256i pl = _mm256_madd_epi16(sl, _mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q8))));
-                const __m256i ph = _mm256_madd_epi16(sh, _mm256_maddubs_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q8 + 32))));
-                sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(pl, ph));
-            }
-        }
-        for (int r = 0; r < MR; ++r)
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(x[r][i].d * wd), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
-    }
-    for (int r = 0; r < MR; ++r) {
-        __m128 m = _mm_add_ps(acc_m[r], _mm_movehl_ps(acc_m[r], acc_m[r]));
-        m = _mm_add_ss(m, _mm_movehdup_ps(m));
-        res[r] = hsum8(acc[r]) + _mm_cvtss_f32(m);
-    }
-}
-
-template <int MR>
-KQ_FN void dot_q6k(const uint8_t* w, int64_t nb, const Q8K* const* x, float* res) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03);
-    __m256 acc[MR];
-    for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < nb; ++i) {
-        const uint8_t* b = w + i * 210;
-        const uint8_t* ql = b;
-        const uint8_t* qh = b + 128;
-        const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
-        const float wd = fp16(b + 208);
-        const __m256i scales16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
-        __m256i sumi[MR];
-        for (int r = 0; r < MR; ++r) {  // the -32 offset of every value: 32 * sum_g sc[g] * (sum of x in group g)
-            const __m256i bs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[r][i].bsums));
-            sumi[r] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(_mm256_madd_epi16(bs, scales16), 5));
-        }
-        for (int j = 0; j < 2; ++j) {
-            const __m256i b1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * j));
-            const __m256i b2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * j + 32));
-            const __m256i bh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + 32 * j));
-            __m256i q[4];
-            q[0] = _mm256_or_si256(_mm256_and_si256(b1, m4), _mm256_slli_epi16(_mm256_and_si256(bh, m2), 4));
-            q[1] = _mm256_or_si256(_mm256_and_si256(b2, m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(bh, 2), m2), 4));
-            q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b1, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(bh, 4), m2), 4));
-            q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b2, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(bh, 6), m2), 4));
-            for (int t = 0; t < 4; ++t) {  // values 128 j + 32 t + l: scale sc[8 j + 2 t] for l < 16, the next after
-                const int g = 8 * j + 2 * t;
-                const __m256i s = _mm256_set_m128i(_mm_set1_epi16(sc[g + 1]), _mm_set1_epi16(sc[g]));
-                for (int r = 0; r < MR; ++r) {
-                    const __m256i y = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[r][i].qs + 128 * j + 32 * t));
-                    sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(s, _mm256_maddubs_epi16(q[t], y)));
-                }
-            }
-        }
-        for (int r = 0; r < MR; ++r)
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(x[r][i].d * wd), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
-    }
-    for (int r = 0; r < MR; ++r) res[r] = hsum8(acc[r]);
-}
-
-// 32 signed values of a Q5_0 or Q8_0 block.
-template <int TYPE>
-KQ_FN inline __m256i block_values32(const uint8_t* b) {
-    if constexpr (TYPE == Q8_0) {
-        return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
-    } else {  // Q5_0: (nibble | high bit << 4) - 16; element e's high bit is bit e of qh
-        const __m128i nib = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 6));
-        const __m256i lo = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(nib, 4), nib), _mm256_set1_epi8(0x0F));
-        uint32_t qh;
-        std::memcpy(&qh, b + 2, 4);
-        const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0x0000000000000000);
-        __m256i bits = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(qh)), shuf);
-        bits = _mm256_cmpeq_epi8(_mm256_or_si256(bits, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)), _mm256_set1_epi64x(-1));
-        return _mm256_or_si256(lo, _mm256_andnot_si256(bits, _mm256_set1_epi8(static_cast<char>(0xF0))));
-    }
-}
-
-template <int TYPE, int MR>
-KQ_FN void dot_q32(const uint8_t* w, int64_t nb, const Q8B* const* x, float* res) {
-    constexpr int64_t bytes = TYPE == Q8_0 ? 34 : 22;
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[MR];
-    for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < nb; ++i) {
-        const uint8_t* b = w + i * bytes;
-        const float wd = fp16(b);
-        const __m256i v = block_values32<TYPE>(b);
-        const __m256i av = _mm256_sign_epi8(v, v);  // |w| as unsigned bytes (128 for -128)
-        for (int r = 0; r < MR; ++r) {
-            const __m256i y = _mm256_sign_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[r][i].qs)), v);
-            const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(av, y), ones);
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(wd * x[r][i].d), _mm256_cvtepi32_ps(dot), acc[r]);
-        }
-    }
-    for (int r = 0; r < MR; ++r) res[r] = hsum8(acc[r]);
-}
-
 // ---- the parallel loop over output channels -------------------------------------------------------
 
 struct Part {
@@ -281,26 +135,30 @@ struct Job {
     const Q8K* xk = nullptr;  // [M, K / 256], where some part needs it
     const Q8B* xb = nullptr;  // [M, K / 32], where some part needs it
     float* out = nullptr;     // [M, N]
+    bool vnni = false;        // the AVX-VNNI build of the dot products (the same results, fewer instructions)
 };
 
-template <int MR>
-KQ_FN void dot_rows(const Part& part, const uint8_t* w, const Job& job, int64_t m0, float* res) {
-    if (part.type == Q4_K || part.type == Q6_K) {
-        const int64_t nb = job.K / QK_K;
-        const Q8K* x[MR];
-        for (int r = 0; r < MR; ++r) x[r] = job.xk + (m0 + r) * nb;
-        if (part.type == Q4_K) dot_q4k<MR>(w, nb, x, res);
-        else dot_q6k<MR>(w, nb, x, res);
-    } else {
-        const int64_t nb = job.K / QK;
-        const Q8B* x[MR];
-        for (int r = 0; r < MR; ++r) x[r] = job.xb + (m0 + r) * nb;
-        if (part.type == Q8_0) dot_q32<Q8_0, MR>(w, nb, x, res);
-        else dot_q32<Q5_0, MR>(w, nb, x, res);
-    }
-}
+// ---- the dot products, compiled for each ISA (kquant_dots.inc) ------------------------------------
 
-KQ_FN void run_chunk(const void* ctx, int64_t chunk) {
+namespace isa_avx2 {
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#define KQ_VNNI 0
+#include "kquant_dots.inc"
+#undef KQ_VNNI
+#pragma GCC pop_options
+}  // namespace isa_avx2
+
+namespace isa_vnni {
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avxvnni")
+#define KQ_VNNI 1
+#include "kquant_dots.inc"
+#undef KQ_VNNI
+#pragma GCC pop_options
+}  // namespace isa_vnni
+
+void run_chunk(const void* ctx, int64_t chunk) {
     const Job& job = *static_cast<const Job*>(ctx);
     const Part& part = job.parts[static_cast<size_t>(job.chunk_part[chunk])];
     const int64_t row_bytes = job.K / block_values(part.type) * block_bytes(part.type);
@@ -318,10 +176,10 @@ KQ_FN void run_chunk(const void* ctx, int64_t chunk) {
         for (int64_t m = 0; m < job.M; m += MAX_MR) {
             const int64_t rows = std::min<int64_t>(MAX_MR, job.M - m);
             switch (rows) {
-                case 4: dot_rows<4>(part, w, job, m, res); break;
-                case 3: dot_rows<3>(part, w, job, m, res); break;
-                case 2: dot_rows<2>(part, w, job, m, res); break;
-                default: dot_rows<1>(part, w, job, m, res); break;
+                case 4: job.vnni ? isa_vnni::dot_rows<4>(part, w, job, m, res) : isa_avx2::dot_rows<4>(part, w, job, m, res); break;
+                case 3: job.vnni ? isa_vnni::dot_rows<3>(part, w, job, m, res) : isa_avx2::dot_rows<3>(part, w, job, m, res); break;
+                case 2: job.vnni ? isa_vnni::dot_rows<2>(part, w, job, m, res) : isa_avx2::dot_rows<2>(part, w, job, m, res); break;
+                default: job.vnni ? isa_vnni::dot_rows<1>(part, w, job, m, res) : isa_avx2::dot_rows<1>(part, w, job, m, res); break;
             }
             for (int64_t r = 0; r < rows; ++r) {
                 float y = res[r];
@@ -330,6 +188,21 @@ KQ_FN void run_chunk(const void* ctx, int64_t chunk) {
             }
         }
     }
+}
+
+bool vnni_supported() {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avxvnni");
+}
+
+std::atomic<bool> use_vnni{true};  // false: the AVX2 build even where AVX-VNNI exists (set_isa, for tests)
+
+std::string isa() { return use_vnni.load() && vnni_supported() ? "avxvnni" : "avx2"; }
+
+void set_isa(const std::string& name) {
+    if (name != "avx2" && name != "avxvnni") throw std::invalid_argument("isa: avx2 or avxvnni");
+    if (name == "avxvnni" && !vnni_supported()) throw std::invalid_argument("isa: this CPU lacks AVX-VNNI");
+    use_vnni.store(name == "avxvnni");
 }
 
 // out[M, N] = x[M, K] @ W.T (+ bias) for a linear stored in parts: part p holds output columns
@@ -342,6 +215,7 @@ void linear(uintptr_t x, int64_t M, int64_t K, const py::list& types, const py::
         throw std::invalid_argument("kquant linear: bad shape or part lists");
     if (!thinkahead_native::avx2_fma_supported()) throw std::runtime_error("kquant linear: this CPU lacks AVX2/FMA");
     Job job;
+    job.vnni = use_vnni.load() && vnni_supported();
     job.M = M;
     job.K = K;
     bool need_k = false, need_b = false;
@@ -401,5 +275,7 @@ PYBIND11_MODULE(_kquant_native, m) {
     m.def("linear", &linear, py::arg("x"), py::arg("m"), py::arg("k"), py::arg("types"), py::arg("weights"),
           py::arg("rows"), py::arg("biases"), py::arg("out"), py::arg("threads"));
     m.def("threading", &thinkahead_native::threading);
+    m.def("isa", &isa, "which build of the dot products runs: avxvnni where the CPU has it, else avx2");
+    m.def("set_isa", &set_isa, py::arg("name"), "avx2 or avxvnni (the same results; for tests and benches)");
     m.def("set_threading", &thinkahead_native::set_threading, py::arg("mode"));
 }
