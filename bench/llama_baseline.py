@@ -15,6 +15,12 @@ many minutes on a 2-core machine. Install it for this bench with
 
     CMAKE_ARGS="-DGGML_NATIVE=ON" pip install -e ".[llama]"     # or: pip install llama-cpp-python
 
+On a CPU that reports AMX (Sapphire Rapids) inside a VM that does not grant it, the native build's AMX
+kernels crash on any batch of two or more tokens (SIGSEGV in ggml_backend_amx_mul_mat, seen with 0.3.36):
+build with `-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
+-DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AMX_TILE=OFF
+-DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF` instead.
+
 Threads: llama.cpp's OpenMP threads spin between ops unless `OMP_WAIT_POLICY=passive`, which on a
 2-core machine starves the Python thread (measured: several times slower); this module sets it
 before the library loads unless the user already did.
