@@ -70,3 +70,24 @@ def test_stop_strings_cut_text_and_tokens(tiny_engine_factory) -> None:
     assert result.text == text[: end - len(stop)]
     with pytest.raises(ValueError, match="tokenizer"):
         SpeculativeDecoder(engine, None).generate(prompt, 5, stop_strings=["x"])
+
+
+def test_a_stop_string_before_a_stop_token_in_the_same_round_still_ends_the_text(tiny_engine_factory) -> None:
+    """One verify round may accept both a stop string and, after it, a stop token (an agent's reply
+    seen before drafts whole): the text must end before the stop string, not run on to the token."""
+    engine = tiny_engine_factory("llama")
+    tokenizer = LetterTokenizer()
+    prompt = repetitive_prompt(7, 30)
+    reference = plain_greedy(engine, prompt, 30)
+    text = tokenizer.decode(reference)
+    stop = text[8:10]
+    end = text.find(stop) + len(stop)
+    # a token first produced right after the stop string completes: "...STOP<end of turn>"
+    later = next(i for i in range(end, len(reference)) if reference[i] not in reference[:i])
+    decoder = SpeculativeDecoder(engine, SuffixDrafter(SuffixCache()), FixedController(16), tokenizer=tokenizer)
+    decoder.generate(prompt, 30, stop_token_ids=[])  # the global tree now drafts past both
+    result = decoder.generate(prompt, 30, stop_token_ids=[reference[later]], stop_strings=[stop])
+    assert result.stats.spec_verify_ct < end  # rounds did accept several tokens at once
+    assert result.finish_reason == "stop" and result.matched_stop == stop
+    assert result.token_ids == reference[:end]
+    assert result.text == text[: end - len(stop)]

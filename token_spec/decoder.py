@@ -277,8 +277,10 @@ class SpeculativeDecoder:
             self.controller.update(checked, common_prefix_len(probe.token_ids, rnd.tokens))
 
     def _check_stop_string(self, gen: _Generation, rnd: _Round) -> None:
-        """Cut the round's tokens after the one that completes a stop string, if any does."""
-        if not gen.stop_strings or gen.finish == "stop":
+        """Cut the round's tokens after the one that completes a stop string, if any does. A stop token
+        that ended the round (`_accept`) comes after every token it kept, so a stop string completed
+        in the same round ends the generation first ("...STOP<end of turn>" accepted in one round)."""
+        if not gen.stop_strings:
             return
         hit = self._find_stop_string(gen.output, rnd.tokens, gen.stop_strings)
         if hit is not None:
