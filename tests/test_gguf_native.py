@@ -236,3 +236,19 @@ def test_gguf_weight_cache_entries_hold_no_weights_round_trip_and_are_rebuilt(tm
     assert any("not usable" in r.getMessage() for r in caplog.records)
     assert torch.equal(logits(again), logits(fresh))
     assert weights.is_weight_cached(spec, "gguf", cache_dir=tmp_path, weight_cache=True)
+
+
+def test_auto_picks_gguf_only_where_it_runs(tiny_gguf, tmp_path, monkeypatch) -> None:
+    from thinkahead.models.weights import resolve_dtype
+
+    path, _ = tiny_gguf
+    assert resolve_dtype("auto", str(path.parent), path.name) == "gguf"
+    assert resolve_dtype("auto", str(tmp_path), None) == "int8"  # not a GGUF file
+    assert resolve_dtype("bfloat16", str(path.parent), path.name) == "bfloat16"
+    write_tiny_gguf(tmp_path / "llama.gguf", arch="llama")
+    assert resolve_dtype("auto", str(tmp_path), "llama.gguf") == "int8"  # an architecture gguf refuses
+    assert gguf_native.unsupported_reason(tmp_path / "llama.gguf") == "architecture 'llama'"
+    monkeypatch.setattr(kquant, "unavailable_reason", lambda: "this CPU lacks AVX2, FMA or F16C")
+    assert resolve_dtype("auto", str(path.parent), path.name) == "int8"  # no kernel here
+    with pytest.raises(ValueError, match="dtype must be one of auto, bfloat16"):
+        resolve_dtype("int4", str(path.parent), path.name)

@@ -9,12 +9,8 @@ import torch
 
 from thinkahead.models.quantize import RowwiseInt8Linear, quantize_int8
 from thinkahead.token_spec.backends.hf import HFEngine
-from thinkahead.token_spec.controller import FixedController
-from thinkahead.token_spec.decoder import SpeculativeDecoder, plain_greedy
-from thinkahead.token_spec.drafters import SuffixDrafter
-from thinkahead.token_spec.suffix_cache import SuffixCache
 
-from tests.test_speculative_decoding import repetitive_prompt, seed_divergent_outputs
+from tests.test_speculative_decoding import assert_suffix_speculation_is_exact
 
 
 def test_rows_are_batch_invariant_and_close_to_float32() -> None:
@@ -36,21 +32,7 @@ def test_rows_are_batch_invariant_and_close_to_float32() -> None:
 def test_speculative_greedy_is_token_identical_in_int8(arch, tree, tiny_model_factory) -> None:
     model = quantize_int8(copy.deepcopy(tiny_model_factory(arch)))
     assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
-    engine = HFEngine(model)
-    cache = SuffixCache(max_depth=24)
-    drafter = SuffixDrafter(cache, tree=tree, min_token_prob=0.05)
-    decoder = SpeculativeDecoder(engine, drafter, FixedController(6))
-    accepted = 0
-    for seed in range(3):
-        prompt = repetitive_prompt(seed)
-        reference = plain_greedy(engine, prompt, 40)
-        if tree:
-            seed_divergent_outputs(cache, reference, seed)
-        for _ in range(2):  # the second pass drafts the whole answer from the global tree
-            result = decoder.generate(prompt, max_new_tokens=40, stop_token_ids=[])
-            assert result.token_ids == reference
-            accepted += result.stats.spec_num_correct_drafts
-    assert accepted > 0
+    assert_suffix_speculation_is_exact(HFEngine(model), tree, seeds=3)
 
 
 class _Attention(torch.nn.Module):

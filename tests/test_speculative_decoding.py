@@ -55,13 +55,14 @@ def repetitive_prompt(seed: int, length: int = 36) -> list[int]:
     return out[:length]
 
 
-def assert_suffix_speculation_is_exact(engine, tree: bool) -> None:
-    """Speculative greedy with the suffix drafter (chain or tree) equals plain greedy on repetitive
-    prompts, twice per prompt (the second time drafting from the first's output), and drafts are kept."""
+def assert_suffix_speculation_is_exact(engine, tree: bool, seeds: int = 2) -> None:
+    """Speculative greedy with the suffix drafter (chain or tree) equals plain greedy on `seeds`
+    repetitive prompts, twice per prompt (the second pass drafts the whole answer from the global
+    tree), and drafts are kept."""
     cache = SuffixCache(max_depth=24)
     decoder = SpeculativeDecoder(engine, SuffixDrafter(cache, tree=tree, min_token_prob=0.05), FixedController(6))
     accepted = 0
-    for seed in range(2):
+    for seed in range(seeds):
         prompt = repetitive_prompt(seed)
         reference = plain_greedy(engine, prompt, 40)
         if tree:

@@ -51,7 +51,7 @@ class ModelConfig(BaseModel, extra="forbid"):
     """A model: its spec (see `load_model`) and backend options."""
 
     spec: str
-    dtype: str = "int8"
+    dtype: str = "auto"  # gguf for GGUF files the native kernel runs, else int8 (models/dtypes.py)
     drafter: str = "suffix"
     max_draft: int = Field(default=MAX_DRAFT, gt=0)
     tokenizer: str | None = Field(default=None, description="remote models: a model spec whose chat template to use")

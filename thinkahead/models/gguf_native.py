@@ -115,6 +115,18 @@ def read_index(path: str | Path) -> GGUFIndex:
     return GGUFIndex(path, str(meta.get("general.architecture", "")), tensors)
 
 
+def unsupported_reason(path: str | Path) -> str | None:
+    """Why `build_model` would refuse this GGUF file (architecture, a linear's block type), from its
+    header alone; None when it runs."""
+    index = read_index(path)
+    if index.architecture not in ARCHITECTURES:
+        return f"architecture '{index.architecture}'"
+    for name, info in index.tensors.items():
+        if len(info.shape) == 2 and info.type not in BLOCK_GEOMETRY:
+            return f"tensor {name} has ggml type {info.type}"
+    return None
+
+
 class _Tensors:
     """Views of a GGUF file's tensors (one read-only memory map)."""
 

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from thinkahead.models.dtypes import DTYPES, GGUF, INT8
+from thinkahead.models.dtypes import AUTO, DTYPES, GGUF, INT8
 from thinkahead.models.load_progress import ConversionProgress
 from thinkahead.models.registry import get_entry, prepare, prepared_path
 from thinkahead.models.specs import ModelSource, resolve_model_spec
@@ -89,6 +89,25 @@ def _cache_key(source: ModelSource, location: str, gguf_file: str | None, dtype:
     return None if digest is None else make_key(label, digest, dtype)
 
 
+def resolve_dtype(dtype: str, location: str, gguf_file: str | None) -> str:
+    """`dtype`, with "auto" made concrete for a located model: "gguf" where the model is a GGUF file the
+    native kernel runs (thinkahead/models/gguf_native.py reads only its header), else "int8"."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if dtype != AUTO:
+        return dtype
+    if gguf_file is None:
+        return INT8
+    from thinkahead.models.gguf_native import unsupported_reason
+    from thinkahead.models.kquant import unavailable_reason
+
+    why = unavailable_reason() or unsupported_reason(Path(location, gguf_file))
+    if why is not None:
+        logger.info("dtype auto: int8 for %s (gguf cannot run it: %s)", gguf_file, why)
+        return INT8
+    return GGUF
+
+
 def weight_cache_entry(spec: str, dtype: str, cache_dir: PathArg = None) -> Path | None:
     """The weight-cache folder `load_causal_lm(spec, dtype)` reads and writes, whether it exists or not;
     None when it cannot be named without preparing or hashing (a packaged model not prepared yet, a
@@ -100,6 +119,7 @@ def weight_cache_entry(spec: str, dtype: str, cache_dir: PathArg = None) -> Path
     if located is None:
         return None
     root = cache_root(cache_dir)
+    dtype = resolve_dtype(dtype, *located)
     key = _cache_key(source, located[0], located[1], dtype, root, compute=False)
     return None if key is None else entry_path(root, key)
 
@@ -125,7 +145,8 @@ def load_causal_lm(
     GGUF sources load with ``from_pretrained(DIR, gguf_file=NAME)`` (weights are unpacked to
     `dtype`); hub ids and local directories load without gguf_file. The model is in eval mode.
     `dtype="int8"` loads in bf16, then quantizes every linear layer (thinkahead/models/quantize.py).
-    `dtype="gguf"` (GGUF sources only) computes on the file's own blocks (thinkahead/models/gguf_native.py).
+    `dtype="gguf"` (GGUF sources only) computes on the file's own blocks (thinkahead/models/gguf_native.py);
+    `dtype="auto"` is gguf where that runs, else int8 (`resolve_dtype`).
 
     The converted model is cached (thinkahead/models/weight_cache.py) under `cache_dir`'s
     ``weight-cache`` folder and memory-mapped by later loads, bit-identical; `weight_cache=False`
@@ -141,6 +162,7 @@ def load_causal_lm(
         if (why := unavailable_reason()) is not None:
             raise ValueError(f"dtype 'gguf' cannot run here: {why}; use dtype 'int8'")
     location, gguf_file = _locate(source, cache_dir, wheel_dir)
+    dtype = resolve_dtype(dtype, location, gguf_file)
     if dtype == GGUF and gguf_file is None:
         raise ValueError(f"dtype 'gguf' computes on a GGUF file's blocks; {spec!r} is not a GGUF model (use dtype 'int8')")
     _apply_thread_setting()

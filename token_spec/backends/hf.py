@@ -15,6 +15,7 @@ once the window is full. See docs/token_spec.md for the measured pitfalls.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from numbers import Integral
 from typing import TYPE_CHECKING
@@ -66,6 +67,8 @@ class HFEngine:
         self.dtype: torch.dtype = model.dtype
         self.device: torch.device = model.device
         self.forwarded_tokens = 0  # tokens every forward has read, over the engine's life (prefill accounting)
+        # transformers >= 5.24 names the KV cache argument `cache` (`past_key_values` is deprecated there)
+        self._cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         # Layer type -> index of its first layer (for cache mask sizes); empty when every layer is full
         # attention, in which case a plain 4D mask tensor is passed (Llama accepts no dict form).
         self._mask_layers: dict[str, int] = {}
@@ -116,8 +119,8 @@ class HFEngine:
                 input_ids=ids,
                 attention_mask=mask,
                 position_ids=position_ids,
-                past_key_values=session.cache,
                 use_cache=True,
+                **{self._cache_arg: session.cache},
                 logits_to_keep=1 if last_only else 0,
             )
         session.length = start + n
