@@ -64,6 +64,18 @@ def test_the_version_is_defined_once():
     assert isinstance(thinkahead.__version__, str) and thinkahead.__version__.count(".") >= 2
 
 
+def test_the_sdist_carries_every_native_source():
+    """setup.py compiles these from an sdist too: each source folder is in MANIFEST.in with its suffixes."""
+    manifest = (ROOT / "MANIFEST.in").read_text().splitlines()
+    sources = [p for suffix in ("*.cpp", "*.hpp", "*.inc") for p in ROOT.glob(f"**/native/{suffix}")
+               if "build" not in p.parts and ".git" not in p.parts]
+    assert sources
+    for path in sources:
+        folder = path.parent.relative_to(ROOT).as_posix()
+        assert any(line.startswith(f"recursive-include {folder} ") and f"*{path.suffix}" in line.split()
+                   for line in manifest), path
+
+
 def test_the_sdist_carries_the_examples_and_the_package_is_typed():
     manifest = (ROOT / "MANIFEST.in").read_text()
     assert "recursive-include examples" in manifest and "include LICENSE" in manifest
