@@ -86,3 +86,16 @@ def test_a_cache_filled_under_inference_mode_still_appends_outside_it() -> None:
     with torch.no_grad():
         keys, _ = layer.update(2 * k, 2 * k)
     assert keys.shape[-2] == 6 and torch.equal(keys[..., 3:, :], 2 * k)
+
+
+def test_float64_kv_only_in_a_cache_that_appends_in_place() -> None:
+    """transformers' own DynamicCache (model.generate) keeps the model's float32 K/V: widening them there
+    would double every step's concatenation copies."""
+    model = quantize_int8(copy.deepcopy(_qwen2(intermediate=96, layers=1)))
+    ids = torch.tensor([[3, 4, 5, 6]])
+    plain, growing = DynamicCache(), GrowingCache()
+    with torch.inference_mode():
+        a = model(ids, past_key_values=plain, use_cache=True).logits
+        b = model(ids, past_key_values=growing, use_cache=True).logits
+    assert plain.layers[0].keys.dtype == torch.float32 and growing.layers[0].keys.dtype == torch.float64
+    assert torch.equal(a, b)

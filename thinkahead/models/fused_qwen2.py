@@ -55,9 +55,10 @@ class FusedQwen2Attention(qwen2.Qwen2Attention):
         cos, sin = position_embeddings
         query, key = qwen2.apply_rotary_pos_emb(query, key, cos, sin)
         if cache is not None:
-            if self.config._attn_implementation == EXACT_ATTENTION:
-                # float64 attention reads K/V in float64: keep them so in the cache (exact, the conversion
-                # is lossless), so that a step converts only its own tokens instead of the whole cache
+            if self.config._attn_implementation == EXACT_ATTENTION and getattr(cache, "appends_in_place", False):
+                # float64 attention reads K/V in float64: keep them so in a cache that appends in place
+                # (exact, the conversion is lossless), so that a step converts only its own tokens. A
+                # cache that concatenates (transformers' DynamicCache) keeps float32: its copies would double.
                 key, value = key.double(), value.double()
             key, value = cache.update(key, value, self.layer_idx)
         attention = qwen2.ALL_ATTENTION_FUNCTIONS.get_interface(

@@ -69,6 +69,8 @@ class GrowingLayer(DynamicLayer):
 class GrowingCache(DynamicCache):
     """A config-less `DynamicCache` (every layer keeps all its tokens, croppable) of `GrowingLayer`s."""
 
+    appends_in_place = True  # read by attention modules that may store wider K/V (fused_qwen2.py)
+
     def __init__(self) -> None:
         super().__init__()
         self.layer_class_to_replicate = GrowingLayer
