@@ -252,3 +252,23 @@ def test_auto_picks_gguf_only_where_it_runs(tiny_gguf, tmp_path, monkeypatch) ->
     assert resolve_dtype("auto", str(path.parent), path.name) == "int8"  # no kernel here
     with pytest.raises(ValueError, match="dtype must be one of auto, bfloat16"):
         resolve_dtype("int4", str(path.parent), path.name)
+
+
+@pytest.mark.parametrize("damage", ["nested array", "bad alignment"])
+def test_malformed_headers_are_value_errors(damage, tmp_path) -> None:
+    path = tmp_path / "bad.gguf"
+    writer = GGUFWriter(str(path), "qwen2")
+    if damage == "nested array":
+        writer.add_array("weird", [[1, 2], [3]])
+    else:
+        writer.add_float32("general.alignment", 3.5)
+    writer.add_tensor("output_norm.weight", np.ones(8, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="not supported|not an integer"):
+        gguf_native.read_index(path)
+    from thinkahead.models.weights import resolve_dtype
+
+    assert resolve_dtype("auto", str(tmp_path), "bad.gguf") == "int8"  # auto never raises on it

@@ -161,3 +161,25 @@ def test_the_avx_vnni_build_gives_the_avx2_builds_bits(name) -> None:
         assert torch.equal(a, b)
     with pytest.raises(ValueError, match="avx2 or avxvnni"):
         native.set_isa("sse")
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q5_0"])
+def test_rows_too_small_to_scale_count_as_zeros(name) -> None:
+    kind = TYPES[name]
+    cols = 256
+    bias = torch.randn(16)
+    layer = kquant.GGUFLinear([quant_tensor("w", kind, 16, cols)[0]], bias)
+    x = torch.full((2, cols), 1e-38)
+    x[1] = 0.0
+    out = layer(x)
+    assert torch.equal(out[0], bias) and torch.equal(out[1], bias)
+
+
+def test_the_kernel_refuses_what_it_cannot_run_without_aborting() -> None:
+    native = kquant.kernel()
+    x, w, out = torch.randn(1, 64), torch.zeros(64, 40, dtype=torch.uint8), torch.empty(1, 64)
+    with pytest.raises(ValueError, match="unsupported ggml type 7"):  # was a std::terminate in a worker thread
+        native.linear(x.data_ptr(), 1, 64, [7], [w.data_ptr()], [64], [0], out.data_ptr(), 2)
+    layer = kquant.GGUFLinear([quant_tensor("w", T.Q8_0, 8, 64)[0]])
+    with pytest.raises(ValueError, match="runs on the CPU; the input is on meta"):
+        layer(torch.empty(1, 64, device="meta"))

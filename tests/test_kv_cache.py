@@ -99,3 +99,15 @@ def test_float64_kv_only_in_a_cache_that_appends_in_place() -> None:
         b = model(ids, past_key_values=growing, use_cache=True).logits
     assert plain.layers[0].keys.dtype == torch.float32 and growing.layers[0].keys.dtype == torch.float64
     assert torch.equal(a, b)
+
+
+def test_a_long_sequence_cut_short_gives_its_room_back() -> None:
+    layer = GrowingLayer()
+    long = torch.randn(1, 2, 4000, 8, dtype=torch.float64)
+    layer.update(long, long)
+    assert layer._key_buffer.shape[-2] == 6000  # 1.5x, not 2x
+    layer.crop(-3900)
+    assert layer._key_buffer.shape[-2] == 150 and torch.equal(layer.keys, long[..., :100, :])
+    step = torch.randn(1, 2, 10, 8, dtype=torch.float64)
+    keys, _ = layer.update(step, step)
+    assert torch.equal(keys, torch.cat([long[..., :100, :], step], -2))

@@ -14,6 +14,7 @@ store q/k rows permuted for their rope layout, which this loader does not undo.
 from __future__ import annotations
 
 import logging
+import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +52,7 @@ class GGUFIndex:
 class _Reader:
     def __init__(self, fh: BinaryIO, path: Path):
         self.fh, self.path = fh, path
+        self.size = path.stat().st_size
 
     def take(self, fmt: str) -> Any:
         size = struct.calcsize(fmt)
@@ -65,7 +67,14 @@ class _Reader:
             raise ValueError(f"{self.path}: a GGUF string of {n} bytes (corrupt header?)")
         return self.fh.read(n).decode("utf-8", errors="replace")
 
-    def value(self, kind: int, keep: bool) -> Any:
+    def skip(self, size: int) -> None:
+        """Move `size` bytes forward, never past the end of the file."""
+        target = self.fh.tell() + size
+        if target > self.size:
+            raise ValueError(f"{self.path}: the GGUF header ends early (truncated file?)")
+        self.fh.seek(target)
+
+    def value(self, kind: int) -> Any:
         if kind in _SCALAR_FORMATS:
             return self.take(_SCALAR_FORMATS[kind])
         if kind == 8:
@@ -74,14 +83,24 @@ class _Reader:
             raise ValueError(f"{self.path}: unknown GGUF value type {kind}")
         item, count = self.take("<I"), self.take("<Q")
         if item in _SCALAR_SIZES:  # skipped in one seek
-            self.fh.seek(_SCALAR_SIZES[item] * count, 1)
-            return None
-        for _ in range(count):  # strings (the vocabulary): lengths only
-            if item != 8:
-                self.value(item, False)
-            else:
-                self.fh.seek(self.take("<Q"), 1)
+            self.skip(_SCALAR_SIZES[item] * count)
+        elif item == 8:  # strings (the vocabulary): lengths only
+            for _ in range(count):
+                self.skip(self.take("<Q"))
+        else:  # arrays of arrays: GGUF writers never make them (and a loop of them would recurse)
+            raise ValueError(f"{self.path}: a GGUF array of value type {item} is not supported")
         return None
+
+
+def _nbytes(kind: int, dims: tuple[int, ...]) -> int:
+    """Bytes of a tensor of the types this module reads (F32 and the kernel's blocks); 0 for others."""
+    count = math.prod(dims)  # Python ints: no overflow
+    if kind == _F32:
+        return 4 * count
+    if kind in BLOCK_GEOMETRY:
+        values, nbytes = BLOCK_GEOMETRY[kind]
+        return -(-count // values) * nbytes
+    return 0
 
 
 def read_index(path: str | Path) -> GGUFIndex:
@@ -98,19 +117,21 @@ def read_index(path: str | Path) -> GGUFIndex:
         meta: dict[str, Any] = {}
         for _ in range(n_kv):
             key = reader.string()
-            meta[key] = reader.value(reader.take("<I"), True)
+            meta[key] = reader.value(reader.take("<I"))
         infos: list[tuple[str, int, tuple[int, ...], int]] = []
         for _ in range(n_tensors):
             name = reader.string()
             dims = tuple(reader.take("<Q") for _ in range(reader.take("<I")))
             infos.append((name, reader.take("<I"), dims, reader.take("<Q")))
-        alignment = int(meta.get("general.alignment") or _DEFAULT_ALIGNMENT)
+        alignment = meta.get("general.alignment", _DEFAULT_ALIGNMENT)
+        if not isinstance(alignment, int) or not 1 <= alignment <= 1 << 16:
+            raise ValueError(f"{path}: general.alignment {alignment!r} is not an integer in [1, 65536]")
         start = -(-fh.tell() // alignment) * alignment
     size = path.stat().st_size
     tensors = {}
     for name, kind, dims, offset in infos:
         tensors[name] = TensorInfo(kind, dims, start + offset)
-        if start + offset > size:
+        if start + offset + _nbytes(kind, dims) > size:
             raise ValueError(f"{path}: tensor {name} lies past the end of the file (truncated?)")
     return GGUFIndex(path, str(meta.get("general.architecture", "")), tensors)
 

@@ -123,6 +123,8 @@ class GGUFLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
+        if x.device.type != "cpu":
+            raise ValueError(f"GGUFLinear runs on the CPU; the input is on {x.device}")
         rows = x.reshape(-1, self.in_features)
         if rows.dtype != torch.float32:
             rows = rows.float()

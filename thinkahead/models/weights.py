@@ -101,7 +101,10 @@ def resolve_dtype(dtype: str, location: str, gguf_file: str | None) -> str:
     from thinkahead.models.gguf_native import unsupported_reason
     from thinkahead.models.kquant import unavailable_reason
 
-    why = unavailable_reason() or unsupported_reason(Path(location, gguf_file))
+    try:
+        why = unavailable_reason() or unsupported_reason(Path(location, gguf_file))
+    except (OSError, ValueError) as exc:  # a damaged file: int8's loader will say what is wrong with it
+        why = str(exc)
     if why is not None:
         logger.info("dtype auto: int8 for %s (gguf cannot run it: %s)", gguf_file, why)
         return INT8

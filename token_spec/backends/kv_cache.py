@@ -2,8 +2,8 @@
 
 Why: transformers' `DynamicLayer` appends with `torch.cat`, so every decode step copies each layer's
 whole K/V (28 layers x 2 on the 1.5B): at 600 cached tokens that was 3 ms of a ~80 ms step, growing
-with the context. `GrowingLayer` writes new keys/values into a buffer with room to spare (doubling
-when full) and exposes the filled part as a view, so a step copies only its own tokens.
+with the context. `GrowingLayer` writes new keys/values into a buffer with room to spare (1.5x when
+full; a crop to under a quarter of the room gives it back) and exposes the filled part as a view, so a step copies only its own tokens.
 
 Semantics are `DynamicLayer`'s: `keys`/`values` are `[batch, heads, tokens, dim]` tensors (views of
 the buffer); `crop` shortens the view (the next append overwrites what was dropped); anything that
@@ -46,7 +46,7 @@ class GrowingLayer(DynamicLayer):
         new = key_states.shape[-2]
         if not (self._owns_views(held) and held + new <= self._key_buffer.shape[-2]
                 and key_states.dtype == self._key_buffer.dtype):
-            self._grow(key_states, value_states, held, max(MIN_CAPACITY, 2 * (held + new)))
+            self._grow(key_states, value_states, held, max(MIN_CAPACITY, (held + new) * 3 // 2))
         self._key_buffer[..., held:held + new, :] = key_states
         self._value_buffer[..., held:held + new, :] = value_states
         self.keys = self._key_buffer[..., : held + new, :]
@@ -60,6 +60,15 @@ class GrowingLayer(DynamicLayer):
             keys[..., :held, :] = self.keys
             values[..., :held, :] = self.values
         self._key_buffer, self._value_buffer = keys, values
+
+    def crop(self, tokens_to_remove: int) -> None:
+        super().crop(tokens_to_remove)
+        held = self.keys.shape[-2] if self.is_initialized and self.keys.dim() == 4 else 0
+        if self._owns_views(held) and self._key_buffer.shape[-2] > 4 * max(held, MIN_CAPACITY):
+            # a long sequence cut short (a pooled session reused for a shorter prompt): give the room back
+            self._grow(self.keys, self.values, held, max(MIN_CAPACITY, held * 3 // 2))
+            self.keys = self._key_buffer[..., :held, :]
+            self.values = self._value_buffer[..., :held, :]
 
     def reset(self) -> None:
         self._key_buffer = self._value_buffer = None

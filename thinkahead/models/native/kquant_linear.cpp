@@ -48,7 +48,11 @@ constexpr int MAX_MR = 4;      // rows of x sharing one unpacked weight block
 // prefetch 0.85 ms per 8960x1536 Q4_K layer, 1 row 0.42, 2-4 rows 0.39, 6 rows 0.50).
 constexpr int64_t PREFETCH_ROWS = 3;
 
-int64_t block_values(int type) { return type == Q4_K || type == Q6_K ? QK_K : QK; }
+int64_t block_values(int type) {
+    if (type == Q4_K || type == Q6_K) return QK_K;
+    if (type == Q5_0 || type == Q8_0) return QK;
+    throw std::invalid_argument("kquant: unsupported ggml type " + std::to_string(type));
+}
 
 int64_t block_bytes(int type) {
     switch (type) {
@@ -84,7 +88,9 @@ void quantize_q8k(const float* x, int64_t K, Q8K* out) {
             const float a = std::fabs(v[j]);
             if (a > amax) { amax = a; mx = v[j]; }
         }
-        if (nan || amax == 0.0f) {  // NaN anywhere makes the block's outputs NaN, as a float matmul would
+        // NaN anywhere makes the block's outputs NaN, as a float matmul would; a block too small for
+        // -127 / max to be finite counts as zeros
+        if (nan || amax < 127.0f / std::numeric_limits<float>::max()) {
             q.d = nan ? std::numeric_limits<float>::quiet_NaN() : 0.0f;
             std::memset(q.qs, 0, sizeof(q.qs));
             std::memset(q.bsums, 0, sizeof(q.bsums));
@@ -111,8 +117,8 @@ void quantize_q8b(const float* x, int64_t K, Q8B* out) {
             nan |= std::isnan(v[j]);
             amax = std::max(amax, std::fabs(v[j]));
         }
-        const float d = amax / 127.0f;
-        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        const float d = amax < 127.0f / std::numeric_limits<float>::max() ? 0.0f : amax / 127.0f;
+        const float id = d != 0.0f && std::isfinite(1.0f / d) ? 1.0f / d : 0.0f;
         for (int64_t j = 0; j < QK; ++j) q.qs[j] = nan ? 0 : static_cast<int8_t>(std::nearbyint(v[j] * id));
         q.d = nan ? std::numeric_limits<float>::quiet_NaN() : d;
     }
@@ -222,6 +228,7 @@ void linear(uintptr_t x, int64_t M, int64_t K, const py::list& types, const py::
     for (size_t p = 0; p < parts; ++p) {
         Part part{types[p].cast<int>(), as_ptr<const uint8_t>(weights[p].cast<uintptr_t>()), rows[p].cast<int64_t>(),
                   as_ptr<const float>(biases[p].cast<uintptr_t>()), job.N};
+        block_bytes(part.type);  // throws for an unknown type here, not inside the parallel region
         if (K % block_values(part.type) != 0 || part.rows <= 0)
             throw std::invalid_argument("kquant linear: K must be a multiple of the block size, rows > 0");
         (block_values(part.type) == QK_K ? need_k : need_b) = true;
