@@ -21,6 +21,8 @@ from types import ModuleType
 
 import torch
 
+from thinkahead.models.native_extension import import_extension
+
 logger = logging.getLogger(__name__)
 
 ENV_KERNEL = "THINKAHEAD_INT8_KERNEL"
@@ -36,15 +38,7 @@ _warned = False
 def _load() -> ModuleType | None:
     global _native, _native_error
     if _native is None and _native_error is None:
-        try:
-            from thinkahead.models import _int8_native  # type: ignore[attr-defined]
-        except ImportError as exc:
-            _native_error = f"the extension thinkahead.models._int8_native is not built ({exc})"
-        else:
-            if _int8_native.cpu_supported():
-                _native = _int8_native
-            else:
-                _native_error = "this CPU lacks AVX2/FMA"
+        _native, _native_error = import_extension("_int8_native", "AVX2/FMA")
     return _native
 
 
