@@ -13,15 +13,19 @@ store q/k rows permuted for their rope layout, which this loader does not undo.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, BinaryIO
 
 import numpy as np
 import torch
+from gguf.constants import GGML_QUANT_SIZES
 
 from thinkahead.models.kquant import BLOCK_GEOMETRY, GGUFEmbedding, GGUFLinear, QuantTensor, blocks_view
 
@@ -29,6 +33,7 @@ logger = logging.getLogger(__name__)
 
 ARCHITECTURES = ("qwen2",)
 _F32 = 0
+_TYPE_SIZES = {int(kind): sizes for kind, sizes in GGML_QUANT_SIZES.items()}  # (values, bytes) per block
 _DEFAULT_ALIGNMENT = 32
 # GGUF metadata value types: fixed sizes (bytes) by type id; 8 = string, 9 = array
 _SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
@@ -46,13 +51,12 @@ class TensorInfo:
 class GGUFIndex:
     path: Path
     architecture: str
-    tensors: dict[str, TensorInfo]
+    tensors: Mapping[str, TensorInfo]  # read-only: one index is shared by every reader of the file
 
 
 class _Reader:
-    def __init__(self, fh: BinaryIO, path: Path):
-        self.fh, self.path = fh, path
-        self.size = path.stat().st_size
+    def __init__(self, fh: BinaryIO, path: Path, size: int):
+        self.fh, self.path, self.size = fh, path, size
 
     def take(self, fmt: str) -> Any:
         size = struct.calcsize(fmt)
@@ -93,21 +97,24 @@ class _Reader:
 
 
 def _nbytes(kind: int, dims: tuple[int, ...]) -> int:
-    """Bytes of a tensor of the types this module reads (F32 and the kernel's blocks); 0 for others."""
-    count = math.prod(dims)  # Python ints: no overflow
-    if kind == _F32:
-        return 4 * count
-    if kind in BLOCK_GEOMETRY:
-        values, nbytes = BLOCK_GEOMETRY[kind]
-        return -(-count // values) * nbytes
-    return 0
+    """Bytes of a tensor of a ggml type gguf knows (0 for others: only its start is checked)."""
+    values, nbytes = _TYPE_SIZES.get(kind, (1, 0))
+    return -(-math.prod(dims) // values) * nbytes  # Python ints: no overflow
 
 
 def read_index(path: str | Path) -> GGUFIndex:
-    """The architecture and tensor table of a GGUF file, from its header (arrays skipped)."""
-    path = Path(path)
+    """The architecture and tensor table of a GGUF file, from its header (arrays skipped). A start reads
+    it up to three times (is the model cached, which dtype, the build): it is parsed once per state of
+    the file (path, size, mtime, ctime, inode)."""
+    path = Path(path).resolve()
+    st = path.stat()
+    return _read_index(path, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+
+
+@functools.lru_cache(maxsize=8)
+def _read_index(path: Path, size: int, *identity: int) -> GGUFIndex:
     with open(path, "rb") as fh:
-        reader = _Reader(fh, path)
+        reader = _Reader(fh, path, size)
         if fh.read(4) != b"GGUF":
             raise ValueError(f"{path} is not a GGUF file (bad magic)")
         version = reader.take("<I")
@@ -127,13 +134,12 @@ def read_index(path: str | Path) -> GGUFIndex:
         if not isinstance(alignment, int) or not 1 <= alignment <= 1 << 16:
             raise ValueError(f"{path}: general.alignment {alignment!r} is not an integer in [1, 65536]")
         start = -(-fh.tell() // alignment) * alignment
-    size = path.stat().st_size
     tensors = {}
     for name, kind, dims, offset in infos:
         tensors[name] = TensorInfo(kind, dims, start + offset)
         if start + offset + _nbytes(kind, dims) > size:
             raise ValueError(f"{path}: tensor {name} lies past the end of the file (truncated?)")
-    return GGUFIndex(path, str(meta.get("general.architecture", "")), tensors)
+    return GGUFIndex(path, str(meta.get("general.architecture", "")), MappingProxyType(tensors))
 
 
 def unsupported_reason(path: str | Path) -> str | None:
@@ -170,19 +176,15 @@ class _Tensors:
                              "dtype 'gguf' runs 2-D Q4_K, Q6_K, Q5_0 and Q8_0 tensors (use dtype 'int8')")
         cols, rows = info.shape
         values, nbytes = BLOCK_GEOMETRY[info.type]
-        row_bytes = cols // values * nbytes
-        end = info.offset + rows * row_bytes
-        if end > self.data.shape[0]:
-            raise ValueError(f"{self.index.path}: tensor {name} lies past the end of the file (truncated?)")
-        blocks = self.data[info.offset:end].reshape(rows, row_bytes)
+        row_bytes = cols // values * nbytes  # read_index checked that the tensor ends inside the file
+        blocks = self.data[info.offset:info.offset + rows * row_bytes].reshape(rows, row_bytes)
         return QuantTensor(name, info.type, rows, cols, blocks_view(blocks))
 
     def float32(self, name: str) -> torch.Tensor:
         info = self._info(name)
         if info.type != _F32:
             raise ValueError(f"{self.index.path}: tensor {name} has ggml type {info.type}, expected F32")
-        count = int(np.prod(info.shape))
-        values = self.data[info.offset:info.offset + 4 * count].view(np.float32)
+        values = self.data[info.offset:info.offset + 4 * math.prod(info.shape)].view(np.float32)
         return torch.from_numpy(values.copy()).reshape(tuple(reversed(info.shape)))
 
 

@@ -28,12 +28,17 @@ from types import ModuleType
 
 import numpy as np
 import torch
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-# ggml type ids (ggml.h) the kernel runs, by their GGUF names
-SUPPORTED_TYPES: dict[str, int] = {"Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
+from thinkahead.models.native_extension import import_extension
+
+_KERNEL_TYPES = (GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K,
+                 GGMLQuantizationType.Q6_K)
+# ggml type ids the kernel runs, by their GGUF names
+SUPPORTED_TYPES: dict[str, int] = {t.name: int(t) for t in _KERNEL_TYPES}
 _TYPE_NAMES = {v: k for k, v in SUPPORTED_TYPES.items()}
-# values and bytes per block
-BLOCK_GEOMETRY: dict[int, tuple[int, int]] = {6: (32, 22), 8: (32, 34), 12: (256, 144), 14: (256, 210)}
+# (values, bytes) per block, as gguf defines them
+BLOCK_GEOMETRY: dict[int, tuple[int, int]] = {int(t): GGML_QUANT_SIZES[t] for t in _KERNEL_TYPES}
 
 _native: ModuleType | None = None
 _native_error: str | None = None
@@ -42,15 +47,7 @@ _native_error: str | None = None
 def _load() -> ModuleType | None:
     global _native, _native_error
     if _native is None and _native_error is None:
-        try:
-            from thinkahead.models import _kquant_native  # type: ignore[attr-defined]
-        except ImportError as exc:
-            _native_error = f"the extension thinkahead.models._kquant_native is not built ({exc})"
-        else:
-            if _kquant_native.cpu_supported():
-                _native = _kquant_native
-            else:
-                _native_error = "this CPU lacks AVX2, FMA or F16C"
+        _native, _native_error = import_extension("_kquant_native", "AVX2, FMA or F16C")
     return _native
 
 
@@ -150,7 +147,6 @@ class GGUFEmbedding(torch.nn.Module):
         self.register_buffer("blocks", table.blocks, persistent=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
 
         flat = ids.reshape(-1)
