@@ -8,7 +8,8 @@ operations a speculative decoder needs:
 - `truncate`: roll the sequence back to a shorter prefix.
 
 The cache is a config-less `DynamicCache` (a `GrowingCache`, kv_cache.py, that appends in place):
-every layer keeps all its keys/values, so it can always be cropped, and sliding-window layers (Gemma3) get their window from the attention mask.
+every layer keeps all its keys/values, so it can always be cropped, and sliding-window layers
+(Gemma3) get their window from the attention mask.
 A cache built from the model config would drop old sliding-window states and refuse to crop
 once the window is full. See docs/token_spec.md for the measured pitfalls.
 """

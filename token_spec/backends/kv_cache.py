@@ -24,7 +24,7 @@ MIN_CAPACITY = 64  # tokens a fresh buffer holds at least
 
 
 class GrowingLayer(DynamicLayer):
-    """`DynamicLayer` with an append that copies only the new tokens (amortized doubling)."""
+    """`DynamicLayer` with an append that copies only the new tokens (room grows 1.5x when full)."""
 
     _key_buffer: torch.Tensor | None = None
     _value_buffer: torch.Tensor | None = None
