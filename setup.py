@@ -8,8 +8,10 @@
 
 - Linears on a GGUF file's own quantized blocks (thinkahead/models/native/kquant_linear.cpp): where
   it cannot be built, dtype "gguf" is refused by name (see thinkahead/models/kquant.py).
+- The row-wise ops of a Qwen2 decoder layer (thinkahead/models/native/layer_ops.cpp): where it cannot
+  be built, fused Qwen2 models run those ops in torch (see thinkahead/models/layer_ops.py).
 
-All three are `optional`: the package installs without them.
+All four are `optional`: the package installs without them.
 """
 
 from pybind11.setup_helpers import Pybind11Extension
@@ -39,6 +41,16 @@ setup(
             # Bit-identical to fbgemm: every multiply and add rounds on its own (no contraction to FMA).
             extra_compile_args=["-O3", "-ffp-contract=off"],
             libraries=["dl"],  # dlopen of torch's libgomp (libc has it from glibc 2.34, older ones need libdl)
+            optional=True,
+        ),
+        Pybind11Extension(
+            "thinkahead.models._layer_native",
+            ["thinkahead/models/native/layer_ops.cpp"],
+            depends=["thinkahead/models/native/parallel.hpp"],
+            cxx_std=17,
+            # Rows must not depend on the batch: every sum in one fixed order, no contraction to FMA.
+            extra_compile_args=["-O3", "-ffp-contract=off"],
+            libraries=["dl"],
             optional=True,
         ),
         Pybind11Extension(

@@ -15,7 +15,8 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from thinkahead.models import quantize, weights
-from thinkahead.models.fused_qwen2 import FusedQwen2Attention, FusedQwen2MLP, fuse_qwen2
+from thinkahead.models.fused_qwen2 import (FusedQwen2Attention, FusedQwen2ForCausalLM, FusedQwen2MLP, fuse_qwen2,
+                                            use_native_layers)
 from thinkahead.models.quantize import RowwiseInt8Linear, quantize_int8, unpack_int8
 from thinkahead.token_spec.backends.hf import HFEngine
 
@@ -58,6 +59,9 @@ def test_qwen2_layers_are_fused_and_their_int8_weights_are_the_separate_ones() -
 @pytest.mark.parametrize("intermediate", [96, 100])
 def test_fused_logits_are_bit_identical_chain_and_tree(intermediate) -> None:
     unfused, fused = _pair(_qwen2(intermediate))
+    # fusion alone (the native layer ops change the norm's rounding: tests/test_layer_ops.py); the fused
+    # model's own forward still runs, the same ops as transformers'
+    assert type(fused) is FusedQwen2ForCausalLM and use_native_layers(fused, False) is False
     engines = [HFEngine(unfused), HFEngine(fused)]
     sessions = [engine.new_session() for engine in engines]
     prompt = [(7 * i + 3) % VOCAB for i in range(37)]

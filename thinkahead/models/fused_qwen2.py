@@ -15,19 +15,30 @@ scale of the concatenated weight is the scale of each row on its own, so the int
 same), on real tensors or on the meta device (the weight cache's rebuild uses it on a skeleton).
 Only the exact transformers classes `Qwen2Attention` / `Qwen2MLP` are fused; any other
 architecture, or a subclass, keeps its own modules and forward.
+
+A model whose every layer is fused becomes `FusedQwen2ForCausalLM`: the engine's forwards (token ids,
+no mask or a 4D tree mask, a KV cache, float64 attention) run the layers directly, the same tensor
+ops in the same order as transformers' forward (bit-identical logits, tests/test_int8_fusion.py)
+without its per-module wrappers, hooks and mask building: 28 layers x 7 modules per decode step.
+Any other call (inputs_embeds, output options, training, another attention) takes transformers' path.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
+from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.models.qwen2 import modeling_qwen2 as qwen2
 
+from thinkahead.models import layer_ops
 from thinkahead.models.exact_attention import IMPLEMENTATION as EXACT_ATTENTION
 
 QKV, GATE_UP = "qkv_proj", "gate_up_proj"
 _QKV_PARTS, _GATE_UP_PARTS = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
+# transformers >= 5.24 names the KV cache `cache` (argument and output field), earlier versions `past_key_values`
+_CACHE = "cache" if "cache" in inspect.signature(qwen2.Qwen2ForCausalLM.forward).parameters else "past_key_values"
 
 
 class FusedQwen2Attention(qwen2.Qwen2Attention):
@@ -80,6 +91,81 @@ class FusedQwen2MLP(qwen2.Qwen2MLP):
         return self.down_proj(self.act_fn(gate).mul_(up))
 
 
+def _rms_norm(norm: qwen2.Qwen2RMSNorm, hidden: torch.Tensor) -> torch.Tensor:
+    """`Qwen2RMSNorm.forward`, op for op."""
+    x = hidden.to(torch.float32)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    return norm.weight * x.to(hidden.dtype)
+
+
+class FusedQwen2ForCausalLM(qwen2.Qwen2ForCausalLM):
+    """`Qwen2ForCausalLM` over fused layers whose engine forwards run the layers directly (see the module
+    docstring); every other call is transformers' own forward."""
+
+    # Whether engine forwards run the layers' row-wise ops natively (layer_ops.py); set by
+    # `use_native_layers` once the weights are final (an int8 model's norms become float32 after fusion).
+    _native_layers = False
+
+    def forward(  # type: ignore[override]
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int = 0,
+        **kwargs: Any,
+    ) -> CausalLMOutputWithPast:
+        cache = kwargs.pop("cache", None)
+        cache = kwargs.pop("past_key_values", None) if cache is None else cache
+        lean = (input_ids is not None and not kwargs and not self.training and isinstance(logits_to_keep, int)
+                and (attention_mask is None or (attention_mask.dim() == 4 and attention_mask.is_floating_point()))
+                and (cache is not None or not use_cache)
+                and self.config._attn_implementation == EXACT_ATTENTION)
+        if not lean:
+            return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                   use_cache=use_cache, logits_to_keep=logits_to_keep, **{_CACHE: cache}, **kwargs)
+        inner = self.model
+        hidden = inner.embed_tokens(input_ids)
+        if position_ids is None:
+            start = cache.get_seq_length() if cache is not None else 0
+            position_ids = torch.arange(start, start + hidden.shape[1], device=hidden.device).unsqueeze(0)
+        position_embeddings = inner.rotary_emb(hidden, position_ids)
+        if self._native_layers and hidden.shape[0] == 1:
+            hidden = layer_ops.run(inner, hidden, position_embeddings, attention_mask, cache)
+        else:
+            # float64 attention aligns a missing mask bottom-right (the chain after the cached prefix), as
+            # transformers' own causal mask does; a 4D mask (a tree) is used as given, as transformers does
+            for layer in inner.layers:
+                attn = layer.self_attn.forward(_rms_norm(layer.input_layernorm, hidden), position_embeddings,
+                                               attention_mask, cache=cache)[0]
+                hidden = hidden + attn
+                hidden = hidden + layer.mlp.forward(_rms_norm(layer.post_attention_layernorm, hidden))
+            hidden = _rms_norm(inner.norm, hidden)
+        if logits_to_keep:
+            hidden = hidden[:, -logits_to_keep:, :]
+        return CausalLMOutputWithPast(logits=self.lm_head(hidden), **{_CACHE: cache if use_cache else None})
+
+
+def use_native_layers(model: Any, enable: bool = True) -> bool:
+    """Run the engine forwards of `model` (a `FusedQwen2ForCausalLM`) on the native layer ops where they
+    can run; returns whether they do. Other models are left alone (False)."""
+    if not isinstance(model, FusedQwen2ForCausalLM):
+        return False
+    model._native_layers = bool(enable) and layer_ops.supports(model)
+    return model._native_layers
+
+
+def _leanable(model: Any) -> bool:
+    """Whether `model` is exactly a transformers Qwen2ForCausalLM whose every layer is fused, full attention."""
+    if type(model) is not qwen2.Qwen2ForCausalLM or "sliding_attention" in (model.config.layer_types or ()):
+        return False
+    inner = model.model
+    norms = [inner.norm] + [n for layer in inner.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+    return (type(inner) is qwen2.Qwen2Model and all(type(n) is qwen2.Qwen2RMSNorm for n in norms)
+            and all(type(layer) is qwen2.Qwen2DecoderLayer and type(layer.self_attn) is FusedQwen2Attention
+                    and type(layer.mlp) is FusedQwen2MLP for layer in inner.layers))
+
+
 def _fused_linear(parts: list[torch.nn.Linear]) -> torch.nn.Linear:
     """One `nn.Linear` whose output is the concatenation of `parts`' outputs (no random init)."""
     first = parts[0]
@@ -125,4 +211,6 @@ def fuse_qwen2(model: Any) -> int:
                 delattr(module, name)
             module.__class__ = FusedQwen2MLP
             fused += 1
+    if _leanable(model):
+        model.__class__ = FusedQwen2ForCausalLM
     return fused

@@ -218,6 +218,7 @@ def build_model(gguf_path: str | Path, config: Any) -> Any:
     from transformers import AutoModelForCausalLM
 
     from thinkahead.models.exact_attention import use_exact_attention
+    from thinkahead.models.fused_qwen2 import use_native_layers
     from thinkahead.models.fused_qwen2 import FusedQwen2Attention, FusedQwen2MLP, fuse_qwen2
 
     index = read_index(gguf_path)
@@ -248,6 +249,7 @@ def build_model(gguf_path: str | Path, config: Any) -> Any:
     if left:
         raise ValueError(f"{index.path.name}: no GGUF tensor for {', '.join(left[:5])}")
     use_exact_attention(model)
+    use_native_layers(model)
     model.eval()
     logger.debug("built %s over %s (%d tensors)", config.model_type, index.path, len(index.tensors))
     return model

@@ -108,6 +108,7 @@ def quantize_int8(model: Any, fuse: bool = True) -> Any:
     batch-invariant attention, in place. With `fuse`, Qwen2 layers first get one linear for q/k/v and
     one for gate/up (thinkahead/models/fused_qwen2.py: bit-identical outputs, fewer kernel calls)."""
     from thinkahead.models.exact_attention import use_exact_attention
+    from thinkahead.models.fused_qwen2 import use_native_layers
 
     engines = torch.backends.quantized.supported_engines
     if "fbgemm" not in engines:
@@ -125,5 +126,6 @@ def quantize_int8(model: Any, fuse: bool = True) -> Any:
             if isinstance(child, torch.nn.Linear):
                 setattr(parent, name, RowwiseInt8Linear(child))
     use_exact_attention(model)
+    use_native_layers(model)
     model.eval()
     return model

@@ -272,8 +272,10 @@ def rebuild(entry: Path, model_file: Path, dtype: str, name_or_path: str) -> tup
     model.eval()
     if int8:
         from thinkahead.models.exact_attention import use_exact_attention
+        from thinkahead.models.fused_qwen2 import use_native_layers
 
         use_exact_attention(model)
+        use_native_layers(model)
     return model, tokenizer
 
 
