@@ -8,6 +8,8 @@ the dequantized weights. The header reader agrees with gguf's own and refuses da
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -16,7 +18,7 @@ from gguf import GGUFReader, GGUFWriter
 from gguf.quants import dequantize
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from thinkahead.models import gguf_native, kquant
+from thinkahead.models import gguf_native, huge_pages, kquant
 from thinkahead.token_spec.backends.hf import HFEngine
 from thinkahead.token_spec.decoder import SpeculativeDecoder, plain_greedy
 from thinkahead.token_spec.drafters import SuffixDrafter
@@ -272,3 +274,40 @@ def test_malformed_headers_are_value_errors(damage, tmp_path) -> None:
     from thinkahead.models.weights import resolve_dtype
 
     assert resolve_dtype("auto", str(tmp_path), "bad.gguf") == "int8"  # auto never raises on it
+
+
+def test_weights_in_huge_pages_are_the_files_bytes_and_give_the_memory_maps_logits(tiny_gguf, monkeypatch) -> None:
+    path, _ = tiny_gguf
+    data = huge_pages.read(path)
+    assert data.ctypes.data % huge_pages.HUGE_PAGE == 0 and not data.flags.writeable
+    assert data.tobytes() == path.read_bytes()
+    prompt = [(5 * i + 1) % VOCAB for i in range(23)]
+    monkeypatch.setattr(huge_pages, "available", lambda: os.environ[huge_pages.ENV] == "1")
+    reads: list[np.ndarray] = []
+    real_read = huge_pages.read
+    monkeypatch.setattr(huge_pages, "read", lambda p: reads.append(real_read(p)) or reads[-1])
+    logits = {}
+    for setting in ("1", "0"):
+        monkeypatch.setenv(huge_pages.ENV, setting)
+        model = gguf_native.build_model(path, tiny_config())
+        heavy = model.model.layers[0].mlp.gate_up_proj.blocks0.data_ptr()
+        in_copy = bool(reads) and reads[-1].ctypes.data <= heavy < reads[-1].ctypes.data + reads[-1].size
+        assert in_copy == (setting == "1")
+        logits[setting] = HFEngine(model).logits_for_prefix(prompt)
+    assert len(reads) == 1 and torch.equal(logits["1"], logits["0"])
+
+
+def test_huge_pages_follow_the_kernels_setting_and_the_opt_out(tmp_path, monkeypatch) -> None:
+    setting = tmp_path / "enabled"
+    monkeypatch.setattr(huge_pages, "_THP_ENABLED", setting)
+    monkeypatch.delenv(huge_pages.ENV, raising=False)
+    for text, expected in (("always [madvise] never\n", True), ("[always] madvise never\n", True),
+                           ("always madvise [never]\n", False)):
+        setting.write_text(text)
+        assert huge_pages.available() is expected
+    setting.write_text("always [madvise] never\n")
+    monkeypatch.setenv(huge_pages.ENV, "0")
+    assert not huge_pages.available()
+    monkeypatch.delenv(huge_pages.ENV)
+    setting.unlink()  # no such kernel setting (not Linux, no THP): the memory map
+    assert not huge_pages.available()

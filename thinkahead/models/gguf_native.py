@@ -3,9 +3,10 @@
 `build_model(gguf_path, config)` reads the file's tensor index (`read_index`: the header only; the
 vocabulary arrays are skipped, not parsed), builds the transformers model on the meta device, fuses
 Qwen2's q/k/v and gate/up (fused_qwen2.py), and puts in `GGUFLinear`s and a `GGUFEmbedding` over
-views of the memory-mapped file (thinkahead/models/kquant.py) plus the few float tensors (norms,
-biases). Nothing is dequantized or copied: a start costs the config and the tokenizer, which the
-weight cache keeps (weight_cache.py stores entries of dtype "gguf" without weights).
+views of the file's bytes (thinkahead/models/kquant.py; read once into huge pages where the kernel
+offers them, else memory-mapped: huge_pages.py) plus the few float tensors (norms, biases). Nothing
+is dequantized or converted: a start costs the config and the tokenizer, which the weight cache keeps
+(weight_cache.py stores entries of dtype "gguf" without weights), and one read of the file.
 
 Architectures: qwen2 (the packaged Qwen2.5 models). Others are refused by name: llama-family GGUFs
 store q/k rows permuted for their rope layout, which this loader does not undo.
@@ -27,6 +28,7 @@ import numpy as np
 import torch
 from gguf.constants import GGML_QUANT_SIZES
 
+from thinkahead.models import huge_pages
 from thinkahead.models.kquant import BLOCK_GEOMETRY, GGUFEmbedding, GGUFLinear, QuantTensor, blocks_view
 
 logger = logging.getLogger(__name__)
@@ -155,11 +157,15 @@ def unsupported_reason(path: str | Path) -> str | None:
 
 
 class _Tensors:
-    """Views of a GGUF file's tensors (one read-only memory map)."""
+    """Views of a GGUF file's tensors: its bytes read into huge pages where the kernel offers them
+    (huge_pages.py: the kernels stream them ~14% faster), else one read-only memory map."""
 
     def __init__(self, index: GGUFIndex):
         self.index = index
-        self.data = np.memmap(index.path, dtype=np.uint8, mode="r")
+        if huge_pages.available():
+            self.data = huge_pages.read(index.path)
+        else:
+            self.data = np.memmap(index.path, dtype=np.uint8, mode="r")
 
     def has(self, name: str) -> bool:
         return name in self.index.tensors
