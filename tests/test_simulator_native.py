@@ -202,3 +202,136 @@ def test_combined_drafters_of_other_configurations(config: dict) -> None:
                 ref.finish(rid)
                 fast.finish(rid)
         assert rate_state(fast) == rate_state(ref)
+
+
+class _Index:
+    """An integer-like object that is not an int (as numpy's integers): converted through __index__."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __index__(self) -> int:
+        return self.value
+
+
+def test_checked_tokens_fast_path_matches_the_loop() -> None:
+    """Token checks take one C-level pass for integer lists; results and errors stay the loop's."""
+    from thinkahead.token_spec.suffix_drafts import _checked_tokens
+
+    assert _checked_tokens([3, True, _Index(7)], "ids") == [3, 1, 7]
+    assert all(type(t) is int for t in _checked_tokens((_Index(2), 5), "ids"))
+    assert _checked_tokens([], "ids") == []
+    assert _checked_tokens(iter([1, 2]), "ids") == [1, 2]  # an iterator is read once, by the loop
+    assert _checked_tokens([2**70], "ids") == [2**70]  # beyond 64 bits: kept as the loop keeps it
+    with pytest.raises(ValueError, match="non-negative token ids, found -4"):
+        _checked_tokens([1, -4, -2 + 1], "ids")
+    with pytest.raises(ValueError, match="integer token ids, found 1.5"):
+        _checked_tokens([0, 1.5], "ids")
+    with pytest.raises(ValueError, match="not str"):
+        _checked_tokens("12", "ids")
+
+
+def test_prompt_lookup_appends_converted_ints() -> None:
+    """PromptLookupDrafter keeps plain ints whatever the list holds (floats truncated by `int`, as before)."""
+    from thinkahead.token_spec.drafters import PromptLookupDrafter
+    from thinkahead.token_spec.verify import SamplingParams
+
+    d = PromptLookupDrafter()
+    d.start("r", [1, _Index(2), 3.0, True], SamplingParams())
+    assert d._tokens["r"] == [1, 2, 3, 1] and all(type(t) is int for t in d._tokens["r"])
+
+
+def test_native_run_does_not_import_the_python_tree() -> None:
+    """The native tree's path (simulate, a server) never loads the Python tree's module (start-up time)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom thinkahead.token_spec.presets import model_free_drafter\n"
+            "from thinkahead.token_spec.simulator import replay_sessions\n"
+            "d = model_free_drafter('combined')\n"
+            "replay_sessions(d, [[([1, 2, 3, 1, 2], [3, 1, 2])]], native_rounds=True)\n"
+            "assert d.cache.tree_impl == 'native', d.cache.tree_impl\n"
+            "print('thinkahead.token_spec.suffix_tree' in sys.modules, 'thinkahead.token_spec.suffix_persist' in sys.modules)")
+    env = {**__import__("os").environ, "THINKAHEAD_SUFFIX_IMPL": "native"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "False"]
+
+
+COUNTS = ("sessions", "turns", "extending_turns", "prompt_tokens", "new_prompt_tokens", "output_tokens",
+          "verify_steps", "proposed_tokens", "accepted_tokens", "tokens_per_step_per_turn", "update_prompt_tokens",
+          "update_new_tokens")
+
+
+def shared_against_alone(kinds: tuple[str, ...], sessions: list[list[Turn]], max_tokens: int, **cache_args) -> None:
+    """Replayed together over one cache, each drafter counts what it counts replayed alone over its own."""
+    from thinkahead.token_spec.simulator import replay_sessions_shared
+
+    cache = SuffixCache(tree_impl="native", **cache_args)
+    together = [model_free_drafter(k, cache) for k in kinds]
+    shared = replay_sessions_shared(together, sessions, max_tokens=max_tokens)
+    assert shared is not None
+    for kind, d, got in zip(kinds, together, shared):
+        alone = model_free_drafter(kind, SuffixCache(tree_impl="native", **cache_args))
+        want = replay_sessions(alone, sessions, max_tokens=max_tokens, native_rounds=True)
+        assert {k: getattr(got, k) for k in COUNTS} == {k: getattr(want, k) for k in COUNTS}, (kind, max_tokens)
+        if kind.startswith("prompt-lookup"):  # the first one's sessions serve all
+            assert [t for t, _ in together[0]._sessions.values()] == [t for t, _ in alone._sessions.values()]
+            continue
+        assert cache_state(alone.cache) == cache_state(cache)
+        if kind == "combined":  # (session ids differ from replay to replay: the rates compared in order)
+            (pooled, by_session), (want_pooled, want_by_session) = rate_state(d), rate_state(alone)
+            assert pooled == want_pooled and list(by_session.values()) == list(want_by_session.values())
+
+
+def test_shared_replay_of_the_recordings_counts_as_one_replay_each() -> None:
+    shared_against_alone(("suffix", "suffix-tree", "combined"), recorded_sessions(), max_tokens=16)
+    shared_against_alone(("prompt-lookup", "prompt-lookup-recent"), recorded_sessions(), max_tokens=16)
+
+
+@pytest.mark.parametrize("kinds", [("suffix", "suffix-tree", "combined"), ("combined", "suffix"),
+                                   ("suffix-tree", "suffix"), ("suffix",),
+                                   ("prompt-lookup-recent", "prompt-lookup"), ("prompt-lookup",)])
+def test_shared_replay_of_random_sessions_counts_as_one_replay_each(kinds: tuple[str, ...]) -> None:
+    rng = random.Random(len(kinds))
+    for trial in range(15):
+        sessions = random_sessions(rng, vocab=rng.choice((3, 20, 1000)))
+        cache_args = rng.choice(({}, {"max_cached_requests": 2}, {"max_sessions": 1}, {"max_depth": 4}))
+        shared_against_alone(kinds, sessions, rng.choice((0, 1, 2, 5, 16)), **cache_args)
+
+
+def test_shared_replay_covers_one_native_cache_only() -> None:
+    from thinkahead.token_spec.native_rounds import shared_rounds
+    from thinkahead.token_spec.simulator import replay_sessions_shared
+
+    native = SuffixCache(tree_impl="native")
+    assert shared_rounds([model_free_drafter("suffix", native), model_free_drafter("combined", native)]) is not None
+    assert shared_rounds([model_free_drafter("suffix", native), model_free_drafter("prompt-lookup")]) is None
+    assert shared_rounds([model_free_drafter("combined", native), model_free_drafter("combined", native)]) is None
+    assert shared_rounds([model_free_drafter("suffix", native), drafter("suffix", "native")]) is None  # two caches
+    from thinkahead.token_spec.drafters import PromptLookupDrafter
+
+    assert shared_rounds([PromptLookupDrafter(), PromptLookupDrafter(prefer="last")]) is not None
+    assert shared_rounds([PromptLookupDrafter(), PromptLookupDrafter(max_ngram=2)]) is None
+    assert shared_rounds([PromptLookupDrafter(), PromptLookupDrafter(max_sessions=3)]) is None
+    assert shared_rounds([PromptLookupDrafter(max_ngram=9)]) is None  # beyond the native index
+    python = SuffixCache(tree_impl="python")
+    assert replay_sessions_shared([model_free_drafter("suffix", python)], [[Turn([1, 2], [1, 2])]]) is None
+    with pytest.raises(ValueError):
+        replay_sessions_shared([model_free_drafter("suffix", native)], [[Turn([1, 2], [1])]], max_tokens=-1)
+
+
+def test_simulate_leaves_the_collector_as_it_found_it(tmp_path: Path) -> None:
+    """`simulate` turns the collector off while it imports and reads, and freezes it for the replays: both undone."""
+    import gc
+
+    from click.testing import CliRunner
+
+    from thinkahead.cli import main
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("not json\n")
+    runner = CliRunner()
+    for args in ([str(bad)], [str(RESULTS / RECORDINGS[-1]), "--model", MODEL, "--drafters", "suffix,combined"]):
+        result = runner.invoke(main, ["simulate", *args])
+        assert (result.exit_code == 0) == (args[0] != str(bad)), result.output
+        assert gc.isenabled() and gc.get_freeze_count() == 0

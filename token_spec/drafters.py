@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Hashable, Protocol, Sequence, runtime_checkable
+import array
 
 from thinkahead.token_spec import suffix_impl
 from thinkahead.token_spec.draft import Draft
@@ -170,7 +171,13 @@ class PromptLookupDrafter:
     def _append(self, rid: Hashable, token_ids: Sequence[int]) -> None:
         tokens = self._tokens[rid]
         first_new = len(tokens)
-        tokens.extend(int(t) for t in token_ids)
+        if type(token_ids) is list:  # integers in one C-level pass (array takes ints and __index__ objects)
+            try:
+                tokens.extend(array.array("q", token_ids).tolist())
+            except (TypeError, OverflowError):  # floats and the like: `int` converts them, as below
+                tokens.extend(int(t) for t in token_ids)
+        else:
+            tokens.extend(int(t) for t in token_ids)
         self._index_ngrams(tokens, self._index[rid], first_new)
 
     def _index_ngrams(self, tokens: list[int], index: Any, first_new: int) -> None:

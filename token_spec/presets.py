@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from thinkahead.token_spec.controller import AdaptiveController, FixedController, MatchLengthController
 from thinkahead.token_spec.names import DRAFTER_KINDS, MAX_DRAFT, MODEL_DRAFT_KINDS, MODEL_FREE_KINDS, check_drafter
 from thinkahead.token_spec.drafters import (
     CombinedDrafter,
@@ -19,7 +18,7 @@ from thinkahead.token_spec.drafters import (
 )
 from thinkahead.token_spec.suffix_cache import SuffixCache
 
-if TYPE_CHECKING:  # the decoder (and the KV pool it reuses) only where one is built: `simulate` needs neither
+if TYPE_CHECKING:  # the decoder, its controllers and KV pool only where one is built: `simulate` needs none
     from thinkahead.token_spec.decoder import SpeculativeDecoder
     from thinkahead.token_spec.prefix_pool import KVPrefixPool
 
@@ -60,6 +59,7 @@ def build_decoder(
     `cache` is the shared suffix cache (a fresh one if None); `prefix_pool` lets prompts that
     extend an earlier one reuse its KV.
     """
+    from thinkahead.token_spec.controller import AdaptiveController, FixedController, MatchLengthController
     from thinkahead.token_spec.decoder import SpeculativeDecoder
 
     check_drafter(kind)

@@ -277,18 +277,79 @@ def replay_sessions(
                     lambda new, draft, rid=rid: observe(rid, new, draft),
                     list(prompt), output, propose_s, observe_s,
                 )
-            stats.proposed_tokens += proposed
-            stats.accepted_tokens += accepted
             t0 = clock()
             drafter.finish(rid)
             stats.finish_s.append(clock() - t0)
-            stats.turns += 1
-            stats.extending_turns += int(extends and bool(previous))
-            stats.prompt_tokens += len(prompt)
-            stats.new_prompt_tokens += new_tokens
-            stats.output_tokens += len(output)
-            stats.verify_steps += steps
-            stats.tokens_per_step_per_turn.append(len(output) / steps if steps else 0.0)
+            _count_turn(stats, prompt, output, extends and bool(previous), new_tokens, steps, proposed, accepted)
             previous = prompt + output
         stats.sessions += 1
     return stats
+
+
+def _count_turn(stats: SessionReplayStats, prompt: list[int], output: list[int], extending: bool, new_tokens: int,
+                steps: int, proposed: int, accepted: int) -> None:
+    stats.proposed_tokens += proposed
+    stats.accepted_tokens += accepted
+    stats.turns += 1
+    stats.extending_turns += int(extending)
+    stats.prompt_tokens += len(prompt)
+    stats.new_prompt_tokens += new_tokens
+    stats.output_tokens += len(output)
+    stats.verify_steps += steps
+    stats.tokens_per_step_per_turn.append(len(output) / steps if steps else 0.0)
+
+
+def replay_sessions_shared(
+    drafters: Sequence,  # SuffixDrafters and at most one CombinedDrafter over one SuffixCache, or PromptLookupDrafters
+    sessions: Iterable[Sequence[Turn | tuple[Sequence[int], Sequence[int]]]],
+    max_tokens: int = 32,
+    tag: Hashable = "replay",
+) -> list[SessionReplayStats] | None:
+    """`replay_sessions(d, sessions, max_tokens, native_rounds=True)` for each of `drafters` at once.
+
+    Their drafting never changes the cache's trees (or the prompt-lookup index), so one request per
+    turn (started and finished by one of them) serves all, and the native extension runs every
+    drafter's rounds over it in lockstep (`native_rounds.shared_rounds`): the counts of one replay
+    each, a third of the tree work for three. The update and finish timings are the shared request's.
+    None where the extension does not cover the drafters (then replay them one by one).
+    """
+    if max_tokens < 0:
+        raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+    from thinkahead.token_spec.native_rounds import shared_rounds
+    from thinkahead.token_spec.verify import SamplingParams
+
+    rounds = shared_rounds(list(drafters))
+    if rounds is None:
+        return None
+    all_stats = [SessionReplayStats() for _ in drafters]
+    clock, params, lead = time.perf_counter, SamplingParams(), rounds.lead
+    for session in sessions:
+        session_id = (tag, "session", next(_request_ids))
+        previous: list[int] = []
+        for turn in session:
+            prompt, output = (turn.prompt_ids, turn.output_ids) if isinstance(turn, Turn) else turn
+            prompt = list(prompt)
+            if not isinstance(output, list):
+                output = list(output)
+            if not prompt:
+                raise ValueError("every turn needs a non-empty prompt")
+            extends = len(prompt) >= len(previous) and prompt[:len(previous)] == previous
+            new_tokens = len(prompt) - len(previous) if extends else len(prompt)
+            rid = (tag, next(_request_ids))
+            t0 = clock()
+            lead.start(rid, prompt, params, session_id=session_id)
+            update_s = clock() - t0
+            results = rounds(rid, output, max_tokens)
+            t0 = clock()
+            lead.finish(rid)
+            finish_s = clock() - t0
+            for stats, (steps, proposed, accepted) in zip(all_stats, results):
+                stats.update_s.append(update_s)
+                stats.update_prompt_tokens.append(len(prompt))
+                stats.update_new_tokens.append(new_tokens)
+                stats.finish_s.append(finish_s)
+                _count_turn(stats, prompt, output, extends and bool(previous), new_tokens, steps, proposed, accepted)
+            previous = prompt + output
+        for stats in all_stats:
+            stats.sessions += 1
+    return all_stats

@@ -27,15 +27,13 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Iterator, Sequence
-import operator
 import os
 import time
 
 from thinkahead.token_spec.draft import Draft
 from thinkahead.token_spec import suffix_impl as impl
-from thinkahead.token_spec.suffix_drafts import _check_draft_args, _tree_of_chains
+from thinkahead.token_spec.suffix_drafts import _check_draft_args, _checked_tokens, _tree_of_chains
 from thinkahead.token_spec.suffix_eviction import global_tree_bytes, shared_ids
-from thinkahead.token_spec.suffix_persist import read_cache, write_cache
 from thinkahead.token_spec.suffix_sessions import SessionsMixin, SessionStats, _Session, build_request_tree
 
 # The global tree's default memory cap: a quarter GiB, 2-3% of an 8-16 GB laptop next to a small
@@ -452,6 +450,8 @@ class SuffixCache(SessionsMixin):
         The file is written to a temporary name and renamed, so a crash never leaves
         a truncated cache behind.
         """
+        from thinkahead.token_spec.suffix_persist import write_cache  # here: only save / load need it
+
         write_cache(self, path)
 
     @classmethod
@@ -462,6 +462,8 @@ class SuffixCache(SessionsMixin):
         restart). JSON stores tuple ids as lists; they come back as tuples. Files
         written before the memory cap had a default load with today's default.
         """
+        from thinkahead.token_spec.suffix_persist import read_cache
+
         return read_cache(cls, path, overrides)
 
 
@@ -478,17 +480,3 @@ def prompt_extension(old: list[int], prompt_ids: Sequence[int]) -> list[int] | N
     if len(prompt_ids) < n or prompt_ids[:n] != old:
         return None
     return _checked_tokens(prompt_ids[n:], "prompt_ids")
-
-
-def _checked_tokens(token_ids: Sequence[int], what: str) -> list[int]:
-    """Token ids as a list of non-negative ints, or a ValueError naming the problem."""
-    if isinstance(token_ids, (str, bytes)):
-        raise ValueError(f"{what} must be a sequence of token ids, not {type(token_ids).__name__}")
-    try:
-        out = [operator.index(t) for t in token_ids]
-    except TypeError:
-        bad = next(t for t in token_ids if not hasattr(t, "__index__"))
-        raise ValueError(f"{what} must hold integer token ids, found {bad!r}") from None
-    if out and min(out) < 0:
-        raise ValueError(f"{what} must hold non-negative token ids, found {min(out)}")
-    return out

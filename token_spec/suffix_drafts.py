@@ -1,6 +1,10 @@
-"""Small draft helpers of `SuffixCache`: argument checks and the "alt" source's tree of chains."""
+"""Small helpers of `SuffixCache`: argument and token checks, and the "alt" source's tree of chains."""
 
 from __future__ import annotations
+
+from typing import Sequence
+import array
+import operator
 
 from thinkahead.token_spec.draft import Draft
 
@@ -33,3 +37,26 @@ def _tree_of_chains(chains: list[tuple[int, list[int]]], source: str) -> Draft:
     return Draft(
         token_ids=tokens, parents=parents, probs=probs, score=float(len(tokens)), match_len=match_len, source=source
     )
+
+
+def _checked_tokens(token_ids: Sequence[int], what: str) -> list[int]:
+    """Token ids as a list of non-negative ints, or a ValueError naming the problem."""
+    if isinstance(token_ids, (str, bytes)):
+        raise ValueError(f"{what} must be a sequence of token ids, not {type(token_ids).__name__}")
+    if type(token_ids) in (list, tuple):  # read twice at most (an iterator would not survive a failed try)
+        try:  # the common case in one C-level pass: integers (or __index__ objects) that fit in 64 bits
+            fast = array.array("q", token_ids)
+        except (TypeError, OverflowError):
+            pass  # a non-integer or a huge one: the loop below says which (or takes a huge id as it is)
+        else:
+            if fast and min(fast) < 0:
+                raise ValueError(f"{what} must hold non-negative token ids, found {min(fast)}")
+            return fast.tolist()
+    try:
+        out = [operator.index(t) for t in token_ids]
+    except TypeError:
+        bad = next(t for t in token_ids if not hasattr(t, "__index__"))
+        raise ValueError(f"{what} must hold integer token ids, found {bad!r}") from None
+    if out and min(out) < 0:
+        raise ValueError(f"{what} must hold non-negative token ids, found {min(out)}")
+    return out

@@ -14,12 +14,19 @@ made in one place: a `SuffixCache` resolves it once, when it is created.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 import importlib
 import os
+import sys
 
 from thinkahead.token_spec.draft import Draft
-from thinkahead.token_spec.suffix_tree import SuffixTree
+
+if TYPE_CHECKING:
+    from thinkahead.token_spec.suffix_tree import SuffixTree
+
+# The Python tree's module, imported when a Python tree is first asked for: a run on the native tree
+# (`thinkahead simulate`, a server) never needs it, and compiling it is a few ms of every start-up.
+PYTHON_MODULE = "thinkahead.token_spec.suffix_tree"
 
 ENV_VAR = "THINKAHEAD_SUFFIX_IMPL"  # not _TREE: the SGLang plugin reads THINKAHEAD_SUFFIX_TREE (tree drafts, 0|1)
 IMPLEMENTATIONS = ("native", "python")
@@ -82,7 +89,11 @@ def tree_impl(impl: str | None = None) -> str:
 
 def tree_class(impl: str | None = None) -> type:
     """The suffix tree class of an implementation (see `tree_impl`)."""
-    return native_module().SuffixTree if tree_impl(impl) == "native" else SuffixTree
+    if tree_impl(impl) == "native":
+        return native_module().SuffixTree
+    from thinkahead.token_spec.suffix_tree import SuffixTree
+
+    return SuffixTree
 
 
 def new_tree(max_depth: int, impl: str | None = None) -> Any:
@@ -91,7 +102,8 @@ def new_tree(max_depth: int, impl: str | None = None) -> Any:
 
 
 def is_native(tree: Any) -> bool:
-    return not isinstance(tree, SuffixTree)
+    python = sys.modules.get(PYTHON_MODULE)  # not imported yet: no Python tree exists
+    return python is None or not isinstance(tree, python.SuffixTree)
 
 
 def empty_positions(tree: Any) -> Any:

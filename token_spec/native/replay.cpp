@@ -6,9 +6,14 @@
 // - replay_suffix: SuffixDrafter over a SuffixCache (SuffixCache.speculate / extend);
 // - replay_combined: CombinedDrafter (its native propose: speculate_sources_raw and merge_found, with
 //   its per-session and pooled SourceRate estimates kept in a RateTable for the turn);
-// - replay_lookup: PromptLookupDrafter over a native NgramIndex.
+// - replay_lookup (replay_lookup_shared: several, in lockstep): PromptLookupDrafter over a native NgramIndex;
+// - replay_shared: several SuffixDrafters and a CombinedDrafter over one SuffixCache, in lockstep (see
+//   `lockstep`): the simulator replays them together, growing and matching one set of trees, not one each.
 // Each returns (verify steps, proposed tokens, accepted tokens). The Python side
 // (token_spec/native_rounds.py) does what happens once per turn (start, finish, the rate tables).
+
+#include <memory>
+#include <tuple>
 
 #include "ngram_index.hpp"
 #include "suffix_tree.hpp"
@@ -68,24 +73,33 @@ class Request {
 };
 
 // The rounds' common tail: commit output[pos : pos + hit + 1] (as far as it goes) and count the round.
-size_t commit(const std::vector<int32_t>& output, size_t pos, int64_t hit, size_t proposed, Totals& t,
-              std::vector<int32_t>& fresh) {
+size_t commit(const std::vector<int32_t>& output, size_t pos, int64_t hit, size_t proposed, Totals& t) {
   const size_t n = std::min(static_cast<size_t>(hit) + 1, output.size() - pos);
-  fresh.assign(output.begin() + static_cast<int64_t>(pos), output.begin() + static_cast<int64_t>(pos + n));
   t.steps += 1;
   t.proposed += static_cast<int64_t>(proposed);
   t.accepted += hit;
   return n;
 }
 
-Totals replay_suffix(NativeSuffixTree& local, NativeSuffixTree* global, const std::vector<int32_t>& output,
-                     int32_t max_tokens, double factor, double offset, double min_prob, bool tree) {
-  Request req(local, global);
+// One drafter's verify rounds: `round` drafts at output position `pos` from the request as it stands
+// (context: prompt + output[:pos]), counts the round in `t` and returns the tokens it commits.
+struct Rounds {
   Totals t;
-  std::vector<int32_t> fresh;
-  size_t pos = 0;
-  while (pos < output.size()) {
-    Found best;  // SuffixCache.speculate; an empty Found is an empty Draft (score 0)
+  virtual ~Rounds() = default;
+  virtual size_t round(Request& req, NativeSuffixTree& local, NativeSuffixTree* global,
+                       const std::vector<int32_t>& output, size_t pos) = 0;
+};
+
+struct SuffixRounds : Rounds {  // SuffixDrafter (SuffixCache.speculate)
+  int32_t max_tokens;
+  double factor, offset, min_prob;
+  bool tree;
+  SuffixRounds(int32_t max_tokens, double factor, double offset, double min_prob, bool tree)
+      : max_tokens(max_tokens), factor(factor), offset(offset), min_prob(min_prob), tree(tree) {}
+
+  size_t round(Request& req, NativeSuffixTree& local, NativeSuffixTree* global, const std::vector<int32_t>& output,
+               size_t pos) override {
+    Found best;  // an empty Found is an empty Draft (score 0)
     if (max_tokens != 0 && !req.empty_context()) {
       best = local.speculate_raw(req.local_positions(), max_tokens, factor, offset, min_prob, tree);
       if (global != nullptr) {
@@ -94,10 +108,33 @@ Totals replay_suffix(NativeSuffixTree& local, NativeSuffixTree* global, const st
       }
     }
     const int64_t hit = accepted_prefix(best.tokens, best.parents, output, pos);
-    pos += commit(output, pos, hit, best.tokens.size(), t, fresh);
-    req.extend(fresh);
+    return commit(output, pos, hit, best.tokens.size(), t);
   }
-  return t;
+};
+
+// Several drafters' rounds over one request, in lockstep: each drafts when the shared context reaches its
+// position, and the request grows only as far as the furthest-behind drafter needs. The tree after k
+// appended tokens is the same however they were batched (appends and position advances go token by
+// token), so each drafter sees what its own request would hold: the same drafts as one replay each, at
+// the cost of one tree's growth. A drafter's rounds alone are the lockstep of one.
+void lockstep(NativeSuffixTree& local, NativeSuffixTree* global, const std::vector<int32_t>& output,
+              const std::vector<Rounds*>& rounds) {
+  Request req(local, global);
+  std::vector<size_t> pos(rounds.size(), 0);
+  std::vector<int32_t> fresh;
+  size_t at = 0;  // output tokens the request holds
+  while (true) {
+    size_t next = output.size();
+    for (size_t p : pos) next = std::min(next, p);
+    if (next > at) {
+      fresh.assign(output.begin() + static_cast<int64_t>(at), output.begin() + static_cast<int64_t>(next));
+      req.extend(fresh);
+      at = next;
+    }
+    if (at == output.size()) break;
+    for (size_t d = 0; d < rounds.size(); ++d)
+      if (pos[d] == at) pos[d] += rounds[d]->round(req, local, global, output, at);
+  }
 }
 
 // CombinedDrafter's SourceRate estimates for one turn, by slot (a rate key): the session's and the pooled
@@ -160,16 +197,18 @@ class Rates {
   const CombinedParams& p_;
 };
 
-Totals replay_combined(NativeSuffixTree& local, NativeSuffixTree* global, const std::vector<int32_t>& output,
-                       const CombinedParams& p, RateTable& session, RateTable& pooled) {
-  Request req(local, global);
-  Rates rates(session, pooled, p);
-  Totals t;
-  std::vector<int32_t> fresh, slots(p.which.size());
-  std::vector<double> weights(p.which.size());
-  const int32_t top = static_cast<int32_t>(p.slot_of[0].size()) - 1;
-  size_t pos = 0;
-  while (pos < output.size()) {
+struct CombinedRounds : Rounds {  // CombinedDrafter (its native propose, then observe)
+  const CombinedParams& p;
+  Rates rates;
+  std::vector<int32_t> slots, fresh;
+  std::vector<double> weights;
+  int32_t top;
+  CombinedRounds(const CombinedParams& p, RateTable& session, RateTable& pooled)
+      : p(p), rates(session, pooled, p), slots(p.which.size()), weights(p.which.size()),
+        top(static_cast<int32_t>(p.slot_of[0].size()) - 1) {}
+
+  size_t round(Request& req, NativeSuffixTree& local, NativeSuffixTree* global, const std::vector<int32_t>& output,
+               size_t pos) override {
     Sources s;
     Found draft;
     const bool drafted = p.max_tokens > 0 && !req.empty_context();  // CombinedDrafter._propose_native
@@ -184,40 +223,54 @@ Totals replay_combined(NativeSuffixTree& local, NativeSuffixTree* global, const 
       draft = merge_found(s, p.which, weights, p.max_tokens, p.min_score);
     }
     const int64_t hit = accepted_prefix(draft.tokens, draft.parents, output, pos);
-    pos += commit(output, pos, hit, draft.tokens.size(), t, fresh);
-    req.extend(fresh);
-    if (!drafted) continue;
-    for (size_t w = 0; w < p.which.size(); ++w) {  // CombinedDrafter.observe
+    const size_t n = commit(output, pos, hit, draft.tokens.size(), t);
+    if (!drafted) return n;
+    fresh.assign(output.begin() + static_cast<int64_t>(pos), output.begin() + static_cast<int64_t>(pos + n));
+    for (size_t w = 0; w < p.which.size(); ++w) {  // CombinedDrafter.observe (its rates: not the tree)
       auto [h, missed] = followed_found(s.d[p.which[w]], fresh);
       if (h || missed) rates.update(slots[w], h, missed);
     }
+    return n;
   }
-  return t;
-}
+};
 
-Totals replay_lookup(NgramIndex& index, const std::vector<int64_t>& output, int32_t max_tokens, bool recent) {
-  Totals t;
-  size_t pos = 0;
-  while (pos < output.size()) {  // PromptLookupDrafter.propose on its own context (a chain), then observe
-    const auto& toks = index.tokens();
-    size_t from = 0, len = 0;  // the draft: toks[from : from + len]
-    if (max_tokens > 0) {
-      auto [end, n] = index.find(recent);
-      if (end >= 0) {
-        from = static_cast<size_t>(end);
-        len = std::min(toks.size() - from, static_cast<size_t>(max_tokens));
-      }
+// PromptLookupDrafters' rounds over one NgramIndex, one drafter per `recent` flag, in lockstep as `lockstep`:
+// the index after k tokens is the same however they were added, and a lookup does not change it.
+std::vector<Totals> replay_lookup(NgramIndex& index, const std::vector<int64_t>& output, int32_t max_tokens,
+                                  const std::vector<bool>& recent) {
+  std::vector<Totals> totals(recent.size());
+  std::vector<size_t> pos(recent.size(), 0);
+  size_t at = 0;  // output tokens the index holds
+  while (true) {
+    size_t next = output.size();
+    for (size_t p : pos) next = std::min(next, p);
+    if (next > at) {
+      index.extend_range(output.data() + at, next - at);
+      at = next;
     }
-    size_t hit = 0;  // a chain's accepted prefix: as far as it agrees with the output
-    while (hit < len && pos + hit < output.size() && toks[from + hit] == output[pos + hit]) ++hit;
-    const size_t n = std::min(hit + 1, output.size() - pos);
-    index.extend_range(output.data() + pos, n);
-    t.steps += 1;
-    t.proposed += static_cast<int64_t>(len);
-    t.accepted += static_cast<int64_t>(hit);
-    pos += n;
+    if (at == output.size()) break;
+    for (size_t d = 0; d < recent.size(); ++d) {
+      if (pos[d] != at) continue;
+      // PromptLookupDrafter.propose on its own context (a chain), then observe
+      const auto& toks = index.tokens();
+      size_t from = 0, len = 0;  // the draft: toks[from : from + len]
+      if (max_tokens > 0) {
+        auto [end, n] = index.find(recent[d]);
+        if (end >= 0) {
+          from = static_cast<size_t>(end);
+          len = std::min(toks.size() - from, static_cast<size_t>(max_tokens));
+        }
+      }
+      size_t hit = 0;  // a chain's accepted prefix: as far as it agrees with the output
+      while (hit < len && at + hit < output.size() && toks[from + hit] == output[at + hit]) ++hit;
+      Totals& t = totals[d];
+      t.steps += 1;
+      t.proposed += static_cast<int64_t>(len);
+      t.accepted += static_cast<int64_t>(hit);
+      pos[d] += std::min(hit + 1, output.size() - at);
+    }
   }
-  return t;
+  return totals;
 }
 
 std::vector<int32_t> tokens_arg(const py::handle& obj) {  // a list of token ids in [0, 2**31)
@@ -243,6 +296,30 @@ RateTable table_arg(const py::tuple& t, size_t slots, const char* what) {
 
 py::tuple table_out(const RateTable& r) { return py::make_tuple(r.hits, r.tries, r.has); }
 
+// CombinedDrafter's arguments (see replay_combined's docstring) checked, and the rate tables' size.
+CombinedParams combined_params(int32_t max_tokens, double factor, double offset, double min_prob, int32_t alternatives,
+                               double min_score, double decay, double prior_weight, double default_hits,
+                               double default_tries, std::vector<int32_t> which,
+                               std::vector<std::vector<int32_t>> slot_of, size_t& slots) {
+  if (slot_of.size() != NUM_SOURCES) throw py::value_error("slot_of needs one row per source");
+  slots = 0;
+  for (const auto& row : slot_of) {
+    if (row.empty() || row.size() != slot_of[0].size()) throw py::value_error("slot_of rows must be equal, non-empty");
+    for (int32_t k : row) {
+      if (k < 0) throw py::value_error("slot_of: negative slot");
+      slots = std::max(slots, static_cast<size_t>(k) + 1);
+    }
+  }
+  for (int32_t w : which)
+    if (w < 0 || w >= NUM_SOURCES) throw py::value_error("which: source index out of range");
+  return CombinedParams{max_tokens, alternatives, factor, offset, min_prob, min_score, decay, prior_weight,
+                        default_hits, default_tries, std::move(which), std::move(slot_of)};
+}
+
+void check_max_tokens(int32_t max_tokens) {
+  if (max_tokens < 0) throw py::value_error("max_tokens must be >= 0, got " + std::to_string(max_tokens));
+}
+
 }  // namespace
 
 void register_replay(py::module_& m) {
@@ -250,9 +327,10 @@ void register_replay(py::module_& m) {
       "replay_suffix",
       [](NativeSuffixTree& local, NativeSuffixTree* global, py::handle output, int32_t max_tokens, double factor,
          double offset, double min_prob, bool tree) {
-        if (max_tokens < 0) throw py::value_error("max_tokens must be >= 0, got " + std::to_string(max_tokens));
-        return replay_suffix(local, global, tokens_arg(output), max_tokens, factor, offset, min_prob, tree)
-            .as_tuple();
+        check_max_tokens(max_tokens);
+        SuffixRounds r(max_tokens, factor, offset, min_prob, tree);
+        lockstep(local, global, tokens_arg(output), {&r});
+        return r.t.as_tuple();
       },
       py::arg("local"), py::arg("global_tree").none(true), py::arg("output"), py::arg("max_tokens"),
       py::arg("max_spec_factor"), py::arg("max_spec_offset"), py::arg("min_token_prob"), py::arg("tree"),
@@ -265,22 +343,14 @@ void register_replay(py::module_& m) {
          double offset, double min_prob, int32_t alternatives, double min_score, double decay, double prior_weight,
          double default_hits, double default_tries, std::vector<int32_t> which,
          std::vector<std::vector<int32_t>> slot_of, py::tuple session, py::tuple pooled) {
-        if (slot_of.size() != NUM_SOURCES) throw py::value_error("slot_of needs one row per source");
         size_t slots = 0;
-        for (const auto& row : slot_of) {
-          if (row.empty() || row.size() != slot_of[0].size()) throw py::value_error("slot_of rows must be equal, non-empty");
-          for (int32_t k : row) {
-            if (k < 0) throw py::value_error("slot_of: negative slot");
-            slots = std::max(slots, static_cast<size_t>(k) + 1);
-          }
-        }
-        for (int32_t w : which)
-          if (w < 0 || w >= NUM_SOURCES) throw py::value_error("which: source index out of range");
+        const CombinedParams p = combined_params(max_tokens, factor, offset, min_prob, alternatives, min_score, decay,
+                                                 prior_weight, default_hits, default_tries, std::move(which),
+                                                 std::move(slot_of), slots);
         RateTable s = table_arg(session, slots, "session"), g = table_arg(pooled, slots, "pooled");
-        CombinedParams p{max_tokens, alternatives, factor, offset, min_prob, min_score, decay, prior_weight,
-                         default_hits, default_tries, std::move(which), std::move(slot_of)};
-        Totals t = replay_combined(local, global, tokens_arg(output), p, s, g);
-        return py::make_tuple(t.as_tuple(), table_out(s), table_out(g));
+        CombinedRounds r(p, s, g);
+        lockstep(local, global, tokens_arg(output), {&r});
+        return py::make_tuple(r.t.as_tuple(), table_out(s), table_out(g));
       },
       py::arg("local"), py::arg("global_tree").none(true), py::arg("output"), py::arg("max_tokens"),
       py::arg("max_spec_factor"), py::arg("max_spec_offset"), py::arg("min_token_prob"), py::arg("alternatives"),
@@ -290,12 +360,62 @@ void register_replay(py::module_& m) {
       "table (hits, tries, has) by slot.");
 
   m.def(
+      "replay_shared",
+      [](NativeSuffixTree& local, NativeSuffixTree* global, py::handle output, int32_t max_tokens,
+         const std::vector<std::tuple<double, double, double, bool>>& suffix, py::object combined) {
+        check_max_tokens(max_tokens);
+        std::vector<SuffixRounds> sr;
+        sr.reserve(suffix.size());
+        for (const auto& [factor, offset, min_prob, tree] : suffix) sr.emplace_back(max_tokens, factor, offset, min_prob, tree);
+        std::vector<Rounds*> all;
+        for (auto& r : sr) all.push_back(&r);
+        std::unique_ptr<CombinedParams> p;  // CombinedRounds keeps references: these outlive it
+        RateTable s, g;
+        std::unique_ptr<CombinedRounds> cr;
+        if (!combined.is_none()) {
+          auto a = combined.cast<py::tuple>();
+          if (a.size() != 13) throw py::value_error("combined: replay_combined's arguments after max_tokens");
+          size_t slots = 0;
+          p = std::make_unique<CombinedParams>(combined_params(
+              max_tokens, a[0].cast<double>(), a[1].cast<double>(), a[2].cast<double>(), a[3].cast<int32_t>(),
+              a[4].cast<double>(), a[5].cast<double>(), a[6].cast<double>(), a[7].cast<double>(), a[8].cast<double>(),
+              a[9].cast<std::vector<int32_t>>(), a[10].cast<std::vector<std::vector<int32_t>>>(), slots));
+          s = table_arg(a[11].cast<py::tuple>(), slots, "session");
+          g = table_arg(a[12].cast<py::tuple>(), slots, "pooled");
+          cr = std::make_unique<CombinedRounds>(*p, s, g);
+          all.push_back(cr.get());
+        }
+        lockstep(local, global, tokens_arg(output), all);
+        py::list totals;
+        for (const auto& r : sr) totals.append(r.t.as_tuple());
+        py::object comb = cr ? py::object(py::make_tuple(cr->t.as_tuple(), table_out(s), table_out(g))) : py::none();
+        return py::make_tuple(totals, comb);
+      },
+      py::arg("local"), py::arg("global_tree").none(true), py::arg("output"), py::arg("max_tokens"),
+      py::arg("suffix"), py::arg("combined").none(true),
+      "Several drafters' verify rounds over one request, in lockstep (the same counts as one replay each): "
+      "`suffix` holds a (max_spec_factor, max_spec_offset, min_token_prob, tree) per SuffixDrafter, `combined` "
+      "replay_combined's arguments after max_tokens (or None). Returns ([(steps, proposed, accepted) per "
+      "suffix drafter], replay_combined's result or None).");
+
+  m.def(
       "replay_lookup",
       [](NgramIndex& index, const std::vector<int64_t>& output, int32_t max_tokens, bool recent) {
-        return replay_lookup(index, output, max_tokens, recent).as_tuple();
+        return replay_lookup(index, output, max_tokens, {recent})[0].as_tuple();
       },
       py::arg("index"), py::arg("output"), py::arg("max_tokens"), py::arg("recent"),
       "PromptLookupDrafter's verify rounds over its NgramIndex (extended by every committed token).");
+
+  m.def(
+      "replay_lookup_shared",
+      [](NgramIndex& index, const std::vector<int64_t>& output, int32_t max_tokens, const std::vector<bool>& recent) {
+        py::list out;
+        for (const Totals& t : replay_lookup(index, output, max_tokens, recent)) out.append(t.as_tuple());
+        return out;
+      },
+      py::arg("index"), py::arg("output"), py::arg("max_tokens"), py::arg("recent"),
+      "Several PromptLookupDrafters' verify rounds over one NgramIndex, in lockstep, one per `recent` flag: "
+      "[(steps, proposed, accepted)], the counts of one replay each.");
 }
 
 }  // namespace thinkahead_suffix
