@@ -17,6 +17,7 @@ import torch
 
 from tests.test_speculative_decoding import repetitive_prompt
 from thinkahead.models import int8_kernel
+from thinkahead.models.native_extension import LazyExtension
 from thinkahead.models.quantize import (
     X_SCALE,
     X_ZERO_POINT,
@@ -140,8 +141,7 @@ def test_fbgemm_is_chosen_by_the_environment_and_when_native_cannot_run(monkeypa
         int8_kernel.kernel_choice()
     # an unbuilt extension or a CPU without AVX2: native is asked for, fbgemm runs, one warning
     monkeypatch.setenv(int8_kernel.ENV_KERNEL, "native")
-    monkeypatch.setattr(int8_kernel, "_native", None)
-    monkeypatch.setattr(int8_kernel, "_native_error", "this CPU lacks AVX2/FMA")
+    monkeypatch.setattr(int8_kernel, "EXTENSION", LazyExtension.unavailable("_int8_native", "this CPU lacks AVX2/FMA"))
     monkeypatch.setattr(int8_kernel, "_warned", False)
     with caplog.at_level(logging.WARNING, logger=int8_kernel.__name__):
         assert int8_kernel.kernel_choice() == int8_kernel.FBGEMM

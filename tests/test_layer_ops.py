@@ -14,6 +14,7 @@ from transformers.models.qwen2 import modeling_qwen2 as qwen2
 from thinkahead.models import layer_ops
 from thinkahead.models.exact_attention import use_exact_attention
 from thinkahead.models.fused_qwen2 import FusedQwen2ForCausalLM, fuse_qwen2, use_native_layers
+from thinkahead.models.native_extension import LazyExtension
 from thinkahead.models.quantize import quantize_int8
 from thinkahead.token_spec.backends.hf import HFEngine
 
@@ -130,8 +131,7 @@ def test_a_mask_of_the_wrong_shape_is_refused_by_name() -> None:
 
 
 def test_without_the_extension_the_fused_model_keeps_transformers_numbers(monkeypatch) -> None:
-    monkeypatch.setattr(layer_ops, "_native", None)
-    monkeypatch.setattr(layer_ops, "_native_error", "the extension thinkahead.models._layer_native is not built (test)")
+    monkeypatch.setattr(layer_ops, "EXTENSION", LazyExtension.unavailable("_layer_native", "not built (test)"))
     assert not layer_ops.available()
     reference = _qwen2(layers=2)
     model = quantize_int8(copy.deepcopy(reference))

@@ -17,7 +17,7 @@ Both run a request's verify rounds through one loop, `verify_rounds`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Hashable, Iterable, Sequence
+from typing import Callable, Hashable, Iterable, Iterator, Sequence
 import itertools
 import time
 
@@ -248,55 +248,76 @@ def replay_sessions(
         from thinkahead.token_spec.native_rounds import rounds_for  # the drafters' internals: only when asked
 
         native = rounds_for(drafter)
-    for session in sessions:
-        session_id = (tag, "session", next(_request_ids))  # unique: a reused id would continue another replay
-        previous: list[int] = []  # the previous turn's prompt + output
-        for turn in session:
-            prompt, output = (turn.prompt_ids, turn.output_ids) if isinstance(turn, Turn) else turn
-            prompt = list(prompt)  # the drafter's own copy
-            if not isinstance(output, list):  # only read: no copy needed
-                output = list(output)
-            if not prompt:
-                raise ValueError("every turn needs a non-empty prompt")
-            extends = len(prompt) >= len(previous) and prompt[:len(previous)] == previous
-            new_tokens = len(prompt) - len(previous) if extends else len(prompt)
-            rid = (tag, next(_request_ids))
+    for session_id, turns in _sessions(sessions, tag):
+        for turn in turns:
+            rid = turn.rid
             t0 = clock()
             if use_sessions:
-                drafter.start(rid, prompt, params, session_id=session_id)
+                drafter.start(rid, turn.prompt, params, session_id=session_id)
             else:
-                drafter.start(rid, prompt, params)
+                drafter.start(rid, turn.prompt, params)
             stats.update_s.append(clock() - t0)
-            stats.update_prompt_tokens.append(len(prompt))
-            stats.update_new_tokens.append(new_tokens)
+            stats.update_prompt_tokens.append(len(turn.prompt))
+            stats.update_new_tokens.append(turn.new_tokens)
             if native is not None:
-                steps, proposed, accepted = native(rid, output, max_tokens)
+                steps, proposed, accepted = native(rid, turn.output, max_tokens)
             else:
                 steps, proposed, accepted = verify_rounds(
                     lambda context, rid=rid: propose(rid, context, max_tokens),
                     lambda new, draft, rid=rid: observe(rid, new, draft),
-                    list(prompt), output, propose_s, observe_s,
+                    list(turn.prompt), turn.output, propose_s, observe_s,
                 )
             t0 = clock()
             drafter.finish(rid)
             stats.finish_s.append(clock() - t0)
-            _count_turn(stats, prompt, output, extends and bool(previous), new_tokens, steps, proposed, accepted)
-            previous = prompt + output
+            _count_turn(stats, turn, steps, proposed, accepted)
         stats.sessions += 1
     return stats
 
 
-def _count_turn(stats: SessionReplayStats, prompt: list[int], output: list[int], extending: bool, new_tokens: int,
-                steps: int, proposed: int, accepted: int) -> None:
+@dataclass(slots=True)
+class _Turn:
+    """One recorded turn as a replay feeds it."""
+
+    rid: tuple  # a fresh request id
+    prompt: list[int]  # the drafter's own copy
+    output: list[int]  # only read
+    extending: bool  # its prompt extends the previous turn's prompt + output (never the session's first)
+    new_tokens: int  # prompt tokens past that (all of them where it does not extend)
+
+
+def _sessions(sessions: Iterable[Sequence[Turn | tuple[Sequence[int], Sequence[int]]]],
+              tag: Hashable) -> Iterator[tuple[tuple, Iterator[_Turn]]]:
+    """(session id, its turns) per session; ids are unique (a reused one would continue another replay)."""
+    for session in sessions:
+        yield (tag, "session", next(_request_ids)), _turns(session, tag)
+
+
+def _turns(session: Sequence[Turn | tuple[Sequence[int], Sequence[int]]], tag: Hashable) -> Iterator[_Turn]:
+    previous: list[int] = []  # the previous turn's prompt + output
+    for turn in session:
+        prompt, output = (turn.prompt_ids, turn.output_ids) if isinstance(turn, Turn) else turn
+        prompt = list(prompt)
+        if not isinstance(output, list):
+            output = list(output)
+        if not prompt:
+            raise ValueError("every turn needs a non-empty prompt")
+        extends = len(prompt) >= len(previous) and prompt[:len(previous)] == previous
+        new_tokens = len(prompt) - len(previous) if extends else len(prompt)
+        yield _Turn((tag, next(_request_ids)), prompt, output, extends and bool(previous), new_tokens)
+        previous = prompt + output
+
+
+def _count_turn(stats: SessionReplayStats, turn: _Turn, steps: int, proposed: int, accepted: int) -> None:
     stats.proposed_tokens += proposed
     stats.accepted_tokens += accepted
     stats.turns += 1
-    stats.extending_turns += int(extending)
-    stats.prompt_tokens += len(prompt)
-    stats.new_prompt_tokens += new_tokens
-    stats.output_tokens += len(output)
+    stats.extending_turns += int(turn.extending)
+    stats.prompt_tokens += len(turn.prompt)
+    stats.new_prompt_tokens += turn.new_tokens
+    stats.output_tokens += len(turn.output)
     stats.verify_steps += steps
-    stats.tokens_per_step_per_turn.append(len(output) / steps if steps else 0.0)
+    stats.tokens_per_step_per_turn.append(len(turn.output) / steps if steps else 0.0)
 
 
 def replay_sessions_shared(
@@ -323,33 +344,21 @@ def replay_sessions_shared(
         return None
     all_stats = [SessionReplayStats() for _ in drafters]
     clock, params, lead = time.perf_counter, SamplingParams(), rounds.lead
-    for session in sessions:
-        session_id = (tag, "session", next(_request_ids))
-        previous: list[int] = []
-        for turn in session:
-            prompt, output = (turn.prompt_ids, turn.output_ids) if isinstance(turn, Turn) else turn
-            prompt = list(prompt)
-            if not isinstance(output, list):
-                output = list(output)
-            if not prompt:
-                raise ValueError("every turn needs a non-empty prompt")
-            extends = len(prompt) >= len(previous) and prompt[:len(previous)] == previous
-            new_tokens = len(prompt) - len(previous) if extends else len(prompt)
-            rid = (tag, next(_request_ids))
+    for session_id, turns in _sessions(sessions, tag):
+        for turn in turns:
             t0 = clock()
-            lead.start(rid, prompt, params, session_id=session_id)
+            lead.start(turn.rid, turn.prompt, params, session_id=session_id)
             update_s = clock() - t0
-            results = rounds(rid, output, max_tokens)
+            results = rounds(turn.rid, turn.output, max_tokens)
             t0 = clock()
-            lead.finish(rid)
+            lead.finish(turn.rid)
             finish_s = clock() - t0
             for stats, (steps, proposed, accepted) in zip(all_stats, results):
                 stats.update_s.append(update_s)
-                stats.update_prompt_tokens.append(len(prompt))
-                stats.update_new_tokens.append(new_tokens)
+                stats.update_prompt_tokens.append(len(turn.prompt))
+                stats.update_new_tokens.append(turn.new_tokens)
                 stats.finish_s.append(finish_s)
-                _count_turn(stats, prompt, output, extends and bool(previous), new_tokens, steps, proposed, accepted)
-            previous = prompt + output
+                _count_turn(stats, turn, steps, proposed, accepted)
         for stats in all_stats:
             stats.sessions += 1
     return all_stats

@@ -21,7 +21,7 @@ from types import ModuleType
 
 import torch
 
-from thinkahead.models.native_extension import import_extension
+from thinkahead.models.native_extension import LazyExtension
 
 logger = logging.getLogger(__name__)
 
@@ -30,16 +30,12 @@ NATIVE, FBGEMM = "native", "fbgemm"
 KERNELS = (NATIVE, FBGEMM)
 DEFAULT_KERNEL = NATIVE
 
-_native: ModuleType | None = None
-_native_error: str | None = None
+EXTENSION = LazyExtension("_int8_native", "AVX2/FMA")
 _warned = False
 
 
 def _load() -> ModuleType | None:
-    global _native, _native_error
-    if _native is None and _native_error is None:
-        _native, _native_error = import_extension("_int8_native", "AVX2/FMA")
-    return _native
+    return EXTENSION.load()
 
 
 def native_available() -> bool:
@@ -58,7 +54,7 @@ def kernel_choice() -> str:
         return wanted
     if not _warned:
         _warned = True
-        logger.warning("the native int8 kernel cannot run (%s): int8 linears use fbgemm", _native_error)
+        logger.warning("the native int8 kernel cannot run (%s): int8 linears use fbgemm", EXTENSION.error)
     return FBGEMM
 
 
@@ -88,7 +84,7 @@ def _round_up(n: int, multiple: int) -> int:
 def _module() -> ModuleType:
     mod = _load()
     if mod is None:
-        raise ValueError(f"the native int8 kernel cannot run here: {_native_error}")
+        raise ValueError(f"the native int8 kernel cannot run here: {EXTENSION.error}")
     return mod
 
 
@@ -124,7 +120,7 @@ def unpack(weights: Int8Weights) -> tuple[torch.Tensor, torch.Tensor]:
 
 def linear(rows: torch.Tensor, weights: Int8Weights, bias: torch.Tensor | None, x_scale: float) -> torch.Tensor:
     """float32 [M, N] = the int8 linear of float32 rows [M, K], plus `bias` (float32 [N]) if given."""
-    mod = _native
+    mod = EXTENSION.module
     if mod is None:
         raise ValueError("the native int8 kernel is not loaded (pack weights first)")
     if rows.dtype != torch.float32 or rows.dim() != 2 or rows.shape[1] != weights.in_features:

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from thinkahead.models.native_extension import import_extension
+from thinkahead.models.native_extension import LazyExtension
 
 _KERNEL_TYPES = (GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K,
                  GGMLQuantizationType.Q6_K)
@@ -40,26 +40,22 @@ _TYPE_NAMES = {v: k for k, v in SUPPORTED_TYPES.items()}
 # (values, bytes) per block, as gguf defines them
 BLOCK_GEOMETRY: dict[int, tuple[int, int]] = {int(t): GGML_QUANT_SIZES[t] for t in _KERNEL_TYPES}
 
-_native: ModuleType | None = None
-_native_error: str | None = None
+EXTENSION = LazyExtension("_kquant_native", "AVX2, FMA or F16C")
 
 
 def _load() -> ModuleType | None:
-    global _native, _native_error
-    if _native is None and _native_error is None:
-        _native, _native_error = import_extension("_kquant_native", "AVX2, FMA or F16C")
-    return _native
+    return EXTENSION.load()
 
 
 def unavailable_reason() -> str | None:
     """Why dtype "gguf" cannot run here (None: it can)."""
-    return None if _load() is not None else _native_error
+    return None if _load() is not None else EXTENSION.error
 
 
 def kernel() -> ModuleType:
     mod = _load()
     if mod is None:
-        raise ValueError(f"dtype 'gguf' cannot run here: {_native_error}; use dtype 'int8'")
+        raise ValueError(f"dtype 'gguf' cannot run here: {EXTENSION.error}; use dtype 'int8'")
     return mod
 
 

@@ -23,17 +23,13 @@ from typing import Any
 import torch
 
 from thinkahead.models.exact_attention import fp64_sdpa_forward
-from thinkahead.models.native_extension import import_extension
+from thinkahead.models.native_extension import LazyExtension
 
-_native: ModuleType | None = None
-_native_error: str | None = None
+EXTENSION = LazyExtension("_layer_native", "nothing (plain C++)")
 
 
 def _load() -> ModuleType | None:
-    global _native, _native_error
-    if _native is None and _native_error is None:
-        _native, _native_error = import_extension("_layer_native", "nothing (plain C++)")
-    return _native
+    return EXTENSION.load()
 
 
 def available() -> bool:
