@@ -13,7 +13,7 @@ from transformers.models.qwen2 import modeling_qwen2 as qwen2
 
 from thinkahead.models import layer_ops
 from thinkahead.models.exact_attention import use_exact_attention
-from thinkahead.models.fused_qwen2 import FusedQwen2ForCausalLM, fuse_qwen2, use_native_layers
+from thinkahead.models.fused_qwen2 import CACHE_NAME, FusedQwen2ForCausalLM, fuse_qwen2, use_native_layers
 from thinkahead.models.native_extension import LazyExtension
 from thinkahead.models.quantize import quantize_int8
 from thinkahead.token_spec.backends.hf import HFEngine
@@ -140,3 +140,15 @@ def test_without_the_extension_the_fused_model_keeps_transformers_numbers(monkey
     ids = torch.tensor([[3, 4, 5, 6, 7]])
     with torch.inference_mode():
         assert torch.equal(model(ids).logits, unfused(ids).logits)
+
+
+def test_a_direct_call_makes_and_returns_a_cache_as_transformers_does() -> None:
+    reference, model = _native_float_qwen2(layers=2)
+    ids = torch.tensor([[3, 4, 5, 6]])
+    with torch.inference_mode():
+        out = model(ids)  # use_cache from the config (True): a fresh cache comes back, filled
+        cache = out[CACHE_NAME]
+        step = model(torch.tensor([[7]]), past_key_values=cache, use_cache=True).logits
+        want = reference(torch.tensor([[3, 4, 5, 6, 7]])).logits[:, -1:]
+    assert cache.get_seq_length() == 5
+    assert torch.allclose(step, want, atol=2e-4, rtol=1e-4)

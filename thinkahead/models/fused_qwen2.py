@@ -29,6 +29,7 @@ import inspect
 from typing import Any
 
 import torch
+from transformers import DynamicCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.models.qwen2 import modeling_qwen2 as qwen2
 
@@ -38,7 +39,7 @@ from thinkahead.models.exact_attention import IMPLEMENTATION as EXACT_ATTENTION
 QKV, GATE_UP = "qkv_proj", "gate_up_proj"
 _QKV_PARTS, _GATE_UP_PARTS = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
 # transformers >= 5.24 names the KV cache `cache` (argument and output field), earlier versions `past_key_values`
-_CACHE = "cache" if "cache" in inspect.signature(qwen2.Qwen2ForCausalLM.forward).parameters else "past_key_values"
+CACHE_NAME = "cache" if "cache" in inspect.signature(qwen2.Qwen2ForCausalLM.forward).parameters else "past_key_values"
 
 
 class FusedQwen2Attention(qwen2.Qwen2Attention):
@@ -119,11 +120,14 @@ class FusedQwen2ForCausalLM(qwen2.Qwen2ForCausalLM):
         cache = kwargs.pop("past_key_values", None) if cache is None else cache
         lean = (input_ids is not None and not kwargs and not self.training and isinstance(logits_to_keep, int)
                 and (attention_mask is None or (attention_mask.dim() == 4 and attention_mask.is_floating_point()))
-                and (cache is not None or not use_cache)
                 and self.config._attn_implementation == EXACT_ATTENTION)
         if not lean:
             return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                   use_cache=use_cache, logits_to_keep=logits_to_keep, **{_CACHE: cache}, **kwargs)
+                                   use_cache=use_cache, logits_to_keep=logits_to_keep, **{CACHE_NAME: cache}, **kwargs)
+        if use_cache is None:  # as transformers reads it
+            use_cache = bool(getattr(self.config, "use_cache", False))
+        if use_cache and cache is None:  # the cache transformers would make (and return)
+            cache = DynamicCache(config=self.config)
         inner = self.model
         hidden = inner.embed_tokens(input_ids)
         if position_ids is None:
@@ -143,7 +147,7 @@ class FusedQwen2ForCausalLM(qwen2.Qwen2ForCausalLM):
             hidden = _rms_norm(inner.norm, hidden)
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:, :]
-        return CausalLMOutputWithPast(logits=self.lm_head(hidden), **{_CACHE: cache if use_cache else None})
+        return CausalLMOutputWithPast(logits=self.lm_head(hidden), **{CACHE_NAME: cache if use_cache else None})
 
 
 def use_native_layers(model: Any, enable: bool = True) -> bool:
@@ -157,7 +161,7 @@ def use_native_layers(model: Any, enable: bool = True) -> bool:
 
 def _leanable(model: Any) -> bool:
     """Whether `model` is exactly a transformers Qwen2ForCausalLM whose every layer is fused, full attention."""
-    if type(model) is not qwen2.Qwen2ForCausalLM or "sliding_attention" in (model.config.layer_types or ()):
+    if type(model) is not qwen2.Qwen2ForCausalLM or "sliding_attention" in (getattr(model.config, "layer_types", None) or ()):
         return False
     inner = model.model
     norms = [inner.norm] + [n for layer in inner.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
