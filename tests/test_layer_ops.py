@@ -152,3 +152,11 @@ def test_a_direct_call_makes_and_returns_a_cache_as_transformers_does() -> None:
         want = reference(torch.tensor([[3, 4, 5, 6, 7]])).logits[:, -1:]
     assert cache.get_seq_length() == 5
     assert torch.allclose(step, want, atol=2e-4, rtol=1e-4)
+
+
+def test_a_qkv_that_does_not_fit_the_heads_is_refused_before_native_code_reads_it() -> None:
+    _, model = _native_float_qwen2(layers=1)
+    attn = model.model.layers[0].self_attn
+    attn.qkv_sizes = (attn.qkv_sizes[0] + attn.head_dim, *attn.qkv_sizes[1:])  # one query head more than it has
+    with pytest.raises(ValueError, match=r"layer 0: q/k/v \(2, 128\) torch.float32 and rotary \(2, 16\) do not fit"):
+        model(torch.tensor([[3, 4]]), use_cache=False)

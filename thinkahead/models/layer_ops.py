@@ -49,8 +49,9 @@ def supports(model: Any) -> bool:
         return False
     inner = model.model
     norms = [inner.norm] + [n for layer in inner.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+    hidden = model.config.hidden_size
     return all(n.weight.dtype == torch.float32 and n.weight.is_contiguous() and n.weight.device.type == "cpu"
-               for n in norms)
+               and n.weight.shape == (hidden,) for n in norms)
 
 
 def run(inner: Any, hidden: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
@@ -76,8 +77,9 @@ def run(inner: Any, hidden: torch.Tensor, position_embeddings: tuple[torch.Tenso
         D = attn.head_dim
         hq, hkv = attn.qkv_sizes[0] // D, attn.qkv_sizes[1] // D
         qkv = attn.qkv_proj(_norm(native, layer.input_layernorm, h)).contiguous()
-        if qkv.dtype != torch.float32:
-            raise ValueError(f"layer {i}: qkv_proj returned {qkv.dtype}, the native layers need float32")
+        if qkv.dtype != torch.float32 or tuple(qkv.shape) != (T, (hq + 2 * hkv) * D) or tuple(cos.shape) != (T, D):
+            raise ValueError(f"layer {i}: q/k/v {tuple(qkv.shape)} {qkv.dtype} and rotary {tuple(cos.shape)} do not fit "
+                             f"{hq} + 2 x {hkv} heads of {D} over {T} tokens in float32")
         q = torch.empty(1, hq, T, D, dtype=torch.float64)
         k = torch.empty(1, hkv, T, D, dtype=torch.float64)
         v = torch.empty(1, hkv, T, D, dtype=torch.float64)
