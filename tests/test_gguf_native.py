@@ -306,8 +306,11 @@ def test_huge_pages_follow_the_kernels_setting_and_the_opt_out(tmp_path, monkeyp
         setting.write_text(text)
         assert huge_pages.available() is expected
     setting.write_text("always [madvise] never\n")
-    monkeypatch.setenv(huge_pages.ENV, "0")
-    assert not huge_pages.available()
+    for off in ("0", "false", "No", " off "):
+        monkeypatch.setenv(huge_pages.ENV, off)
+        assert not huge_pages.available(), off
+    monkeypatch.setenv(huge_pages.ENV, "1")
+    assert huge_pages.available()
     monkeypatch.delenv(huge_pages.ENV)
     setting.unlink()  # no such kernel setting (not Linux, no THP): the memory map
     assert not huge_pages.available()

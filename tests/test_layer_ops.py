@@ -160,3 +160,40 @@ def test_a_qkv_that_does_not_fit_the_heads_is_refused_before_native_code_reads_i
     attn.qkv_sizes = (attn.qkv_sizes[0] + attn.head_dim, *attn.qkv_sizes[1:])  # one query head more than it has
     with pytest.raises(ValueError, match=r"layer 0: q/k/v \(2, 128\) torch.float32 and rotary \(2, 16\) do not fit"):
         model(torch.tensor([[3, 4]]), use_cache=False)
+
+
+def test_a_norm_weight_changed_after_enabling_falls_back_instead_of_misreading_it() -> None:
+    """The native norm reads raw memory: a weight made non-contiguous (or cast, or moved) after
+    `use_native_layers` must send the forward to torch's ops, not to a wrong read."""
+    _, model = _native_float_qwen2(layers=2)
+    weight = model.model.layers[1].post_attention_layernorm.weight
+    spread = torch.zeros(2 * weight.numel())
+    spread[::2] = weight.detach()
+    model.model.layers[1].post_attention_layernorm.weight = torch.nn.Parameter(spread[::2], requires_grad=False)
+    assert model._native_layers and not layer_ops.supports(model)
+    ids = torch.tensor([[3, 4, 5, 6]])
+    with torch.inference_mode():
+        got = model(ids, use_cache=False).logits
+        want = qwen2.Qwen2ForCausalLM.forward(model, ids, use_cache=False).logits  # transformers' forward
+    assert torch.equal(got, want)
+    model.double()
+    with torch.inference_mode():
+        assert model(ids.clone(), use_cache=False).logits.dtype == torch.float64  # runs (was a ValueError)
+
+
+def test_a_sequence_in_a_batch_gets_the_logits_it_gets_alone() -> None:
+    model = quantize_int8(copy.deepcopy(_qwen2(layers=2)))
+    assert model._native_layers
+    ids = torch.tensor([[3, 4, 5, 6, 7], [9, 8, 7, 6, 5]])
+    with torch.inference_mode():
+        batch = model(ids, use_cache=False).logits
+        alone = [model(ids[i : i + 1], use_cache=False).logits[0] for i in range(2)]
+    assert torch.equal(batch[0], alone[0]) and torch.equal(batch[1], alone[1])
+
+
+def test_output_options_in_the_config_take_transformers_forward() -> None:
+    _, model = _native_float_qwen2(layers=2)
+    model.config.output_hidden_states = True
+    with torch.inference_mode():
+        out = model(torch.tensor([[3, 4, 5]]))
+    assert out.hidden_states is not None and len(out.hidden_states) == 3

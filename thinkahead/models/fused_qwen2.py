@@ -118,9 +118,11 @@ class FusedQwen2ForCausalLM(qwen2.Qwen2ForCausalLM):
     ) -> CausalLMOutputWithPast:
         cache = kwargs.pop("cache", None)
         cache = kwargs.pop("past_key_values", None) if cache is None else cache
+        config = self.config
         lean = (input_ids is not None and not kwargs and not self.training and isinstance(logits_to_keep, int)
                 and (attention_mask is None or (attention_mask.dim() == 4 and attention_mask.is_floating_point()))
-                and self.config._attn_implementation == EXACT_ATTENTION)
+                and config._attn_implementation == EXACT_ATTENTION
+                and not getattr(config, "output_hidden_states", False) and not getattr(config, "output_attentions", False))
         if not lean:
             return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                    use_cache=use_cache, logits_to_keep=logits_to_keep, **{CACHE_NAME: cache}, **kwargs)
@@ -134,17 +136,22 @@ class FusedQwen2ForCausalLM(qwen2.Qwen2ForCausalLM):
             start = cache.get_seq_length() if cache is not None else 0
             position_ids = torch.arange(start, start + hidden.shape[1], device=hidden.device).unsqueeze(0)
         position_embeddings = inner.rotary_emb(hidden, position_ids)
-        if self._native_layers and hidden.shape[0] == 1:
+        # checked at every call: the model may have been moved or cast since `use_native_layers`
+        native = self._native_layers and layer_ops.supports(self) and hidden.dtype == torch.float32
+        if native and hidden.shape[0] == 1 and hidden.device.type == "cpu":
             hidden = layer_ops.run(inner, hidden, position_embeddings, attention_mask, cache)
         else:
-            # float64 attention aligns a missing mask bottom-right (the chain after the cached prefix), as
-            # transformers' own causal mask does; a 4D mask (a tree) is used as given, as transformers does
+            # The same numbers row for row (a batch of several sequences): the native norm where the native
+            # layers run, rotary and attention as there. float64 attention aligns a missing mask bottom-right
+            # (the chain after the cached prefix), as transformers' own causal mask does; a 4D mask (a tree)
+            # is used as given, as transformers does.
+            norm = layer_ops.rms_norm if native and hidden.device.type == "cpu" else _rms_norm
             for layer in inner.layers:
-                attn = layer.self_attn.forward(_rms_norm(layer.input_layernorm, hidden), position_embeddings,
+                attn = layer.self_attn.forward(norm(layer.input_layernorm, hidden), position_embeddings,
                                                attention_mask, cache=cache)[0]
                 hidden = hidden + attn
-                hidden = hidden + layer.mlp.forward(_rms_norm(layer.post_attention_layernorm, hidden))
-            hidden = _rms_norm(inner.norm, hidden)
+                hidden = hidden + layer.mlp.forward(norm(layer.post_attention_layernorm, hidden))
+            hidden = norm(inner.norm, hidden)
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:, :]
         return CausalLMOutputWithPast(logits=self.lm_head(hidden), **{CACHE_NAME: cache if use_cache else None})

@@ -8,7 +8,8 @@ the page cache) and memory that is the process's own (two processes on one model
 where a memory map shares the page cache).
 
 Used where the kernel offers transparent huge pages (`/sys/kernel/mm/transparent_hugepage/enabled`
-is `always` or `madvise`) unless `THINKAHEAD_GGUF_HUGEPAGES=0`; otherwise callers keep the memory map.
+is `always` or `madvise`) unless `THINKAHEAD_GGUF_HUGEPAGES=0` (or false/no/off); otherwise callers keep
+the memory map.
 The copy is read-only: nothing writes the weights.
 """
 
@@ -23,14 +24,15 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-ENV = "THINKAHEAD_GGUF_HUGEPAGES"  # "0": keep GGUF weights in a memory map of the file
+ENV = "THINKAHEAD_GGUF_HUGEPAGES"  # "0" (or false/no/off): keep GGUF weights in a memory map of the file
+_OFF = ("0", "false", "no", "off")
 HUGE_PAGE = 2 << 20
 _THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
 def available() -> bool:
     """Whether weights should be read into huge pages here (see the module docstring)."""
-    if os.environ.get(ENV, "1").strip() == "0" or not hasattr(mmap, "MADV_HUGEPAGE"):
+    if os.environ.get(ENV, "1").strip().lower() in _OFF or not hasattr(mmap, "MADV_HUGEPAGE"):
         return False
     try:
         mode = _THP_ENABLED.read_text()

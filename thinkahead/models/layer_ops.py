@@ -2,9 +2,9 @@
 
 Why: after the linears, a CPU decode step of the 1.5B model spent ~12 ms of ~77 in about 1,400 small
 torch ops (norms, the rotary embedding, views, casts) and transformers' module calls around them.
-Here a layer is its linears, float64 attention (exact_attention.py), two native calls (RMS norm twice
-and the rotary embedding with the q/k/v split) and a few torch ops (the KV cache append, SiLU, the
-residual adds): 1.5B decode step 79-81 -> 72-74 ms (bench notes).
+Here a layer is its linears, float64 attention (exact_attention.py), three native calls (the RMS norm
+twice, the rotary embedding with the q/k/v split) and a few torch ops (the KV cache append, SiLU, the
+residual adds): 1.5B gguf decode step 77-80 -> 73.5-74.3 ms (docs/token_spec.md).
 
 Exactness: the native ops compute each row on its own in a fixed order, the linears are row-wise, the
 cache append copies, and float64 attention rounds every row to the same float32 values however many
@@ -36,22 +36,41 @@ def available() -> bool:
     return _load() is not None
 
 
+def _fits(weight: torch.Tensor, dim: int) -> bool:
+    return (weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.is_contiguous()
+            and weight.shape == (dim,))
+
+
 def _norm(native: ModuleType, norm: Any, rows: torch.Tensor) -> torch.Tensor:
+    """The RMS norm of float32 rows `[n, H]` (contiguous, on the CPU) by `norm`'s weight and epsilon."""
+    if (rows.dim() != 2 or rows.dtype != torch.float32 or rows.device.type != "cpu" or not rows.is_contiguous()
+            or not _fits(norm.weight, rows.shape[1])):
+        raise ValueError(f"the native RMS norm takes contiguous float32 CPU rows [n, H] and a float32 weight [H]; got "
+                         f"{tuple(rows.shape)} {rows.dtype} {rows.device} and {tuple(norm.weight.shape)} {norm.weight.dtype}")
     out = torch.empty_like(rows)
     native.rms_norm(rows.data_ptr(), rows.shape[0], rows.shape[1], norm.weight.data_ptr(), norm.variance_epsilon,
                     out.data_ptr())
     return out
 
 
+def rms_norm(norm: Any, hidden: torch.Tensor) -> torch.Tensor:
+    """The native RMS norm of `hidden` `[..., H]` (float32, CPU), every row on its own."""
+    native = _load()
+    if native is None:
+        raise ValueError(f"the native layer ops cannot run here: {EXTENSION.error}")
+    return _norm(native, norm, hidden.reshape(-1, hidden.shape[-1]).contiguous()).reshape(hidden.shape)
+
+
 def supports(model: Any) -> bool:
-    """Whether the layers of `model` (a fused Qwen2) can run here: float32 norms, contiguous weights."""
+    """Whether the layers of `model` (a fused Qwen2) can run here now: the extension, float32 norm weights
+    of the hidden size, contiguous, on the CPU (checked at every forward: a model can be moved or cast)."""
     if not available():
         return False
     inner = model.model
-    norms = [inner.norm] + [n for layer in inner.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
     hidden = model.config.hidden_size
-    return all(n.weight.dtype == torch.float32 and n.weight.is_contiguous() and n.weight.device.type == "cpu"
-               and n.weight.shape == (hidden,) for n in norms)
+    return _fits(inner.norm.weight, hidden) and all(
+        _fits(layer.input_layernorm.weight, hidden) and _fits(layer.post_attention_layernorm.weight, hidden)
+        for layer in inner.layers)
 
 
 def run(inner: Any, hidden: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
