@@ -64,6 +64,13 @@ def fp64_sdpa_forward(
     return out.to(query.dtype).transpose(1, 2).contiguous(), None
 
 
+def keeps_float64_kv(cache: Any) -> bool:
+    """Whether float64 attention should store K/V in `cache` as float64: yes in a cache that appends in
+    place (lossless, and a step then converts only its own tokens); no in one that concatenates
+    (transformers' DynamicCache in `generate`: every step's copies would double)."""
+    return bool(getattr(cache, "appends_in_place", False))
+
+
 def use_exact_attention(model: Any) -> Any:
     """Switch `model` (a transformers model) to float64 attention; returns the model."""
     from transformers import AttentionInterface, AttentionMaskInterface

@@ -35,6 +35,7 @@ from transformers.models.qwen2 import modeling_qwen2 as qwen2
 
 from thinkahead.models import layer_ops
 from thinkahead.models.exact_attention import IMPLEMENTATION as EXACT_ATTENTION
+from thinkahead.models.exact_attention import keeps_float64_kv
 
 QKV, GATE_UP = "qkv_proj", "gate_up_proj"
 _QKV_PARTS, _GATE_UP_PARTS = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
@@ -67,10 +68,7 @@ class FusedQwen2Attention(qwen2.Qwen2Attention):
         cos, sin = position_embeddings
         query, key = qwen2.apply_rotary_pos_emb(query, key, cos, sin)
         if cache is not None:
-            if self.config._attn_implementation == EXACT_ATTENTION and getattr(cache, "appends_in_place", False):
-                # float64 attention reads K/V in float64: keep them so in a cache that appends in place
-                # (exact, the conversion is lossless), so that a step converts only its own tokens. A
-                # cache that concatenates (transformers' DynamicCache) keeps float32: its copies would double.
+            if self.config._attn_implementation == EXACT_ATTENTION and keeps_float64_kv(cache):
                 key, value = key.double(), value.double()
             key, value = cache.update(key, value, self.layer_idx)
         attention = qwen2.ALL_ATTENTION_FUNCTIONS.get_interface(
@@ -127,9 +125,9 @@ class FusedQwen2ForCausalLM(qwen2.Qwen2ForCausalLM):
             return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                    use_cache=use_cache, logits_to_keep=logits_to_keep, **{CACHE_NAME: cache}, **kwargs)
         if use_cache is None:  # as transformers reads it
-            use_cache = bool(getattr(self.config, "use_cache", False))
+            use_cache = bool(getattr(config, "use_cache", False))
         if use_cache and cache is None:  # the cache transformers would make (and return)
-            cache = DynamicCache(config=self.config)
+            cache = DynamicCache(config=config)
         inner = self.model
         hidden = inner.embed_tokens(input_ids)
         if position_ids is None:

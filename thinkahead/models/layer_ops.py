@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from thinkahead.models.exact_attention import fp64_sdpa_forward
+from thinkahead.models.exact_attention import fp64_sdpa_forward, keeps_float64_kv
 from thinkahead.models.native_extension import LazyExtension
 
 EXTENSION = LazyExtension("_layer_native", "nothing (plain C++)")
@@ -77,7 +77,8 @@ def run(inner: Any, hidden: torch.Tensor, position_embeddings: tuple[torch.Tenso
         mask: torch.Tensor | None, cache: Any) -> torch.Tensor:
     """The decoder layers and final norm of `inner` (a Qwen2Model of fused layers) over `hidden`
     `[1, T, H]` float32: `mask` None (a chain after the cached prefix) or additive `[1, 1, T, S]`; the
-    cache (or None) receives each layer's keys/values, float64. Returns the normed hidden `[1, T, H]`."""
+    cache (or None) receives each layer's keys/values (float64 where `keeps_float64_kv`). Returns the
+    normed hidden `[1, T, H]`."""
     native = _load()
     if native is None:
         raise ValueError("the native layer ops are not built")
@@ -86,9 +87,7 @@ def run(inner: Any, hidden: torch.Tensor, position_embeddings: tuple[torch.Tenso
     T, H = hidden.shape[1], hidden.shape[2]
     S = T + (cache.get_seq_length() if cache is not None else 0)  # keys each query row may see, new ones included
     _check_mask(mask, T, S)
-    # float64 K/V go into a cache that appends in place (lossless, and a step then converts only its own
-    # tokens); one that concatenates (transformers' DynamicCache) keeps float32, as fused_qwen2.py does
-    wide = cache is None or getattr(cache, "appends_in_place", False)
+    wide = cache is None or keeps_float64_kv(cache)
     h = hidden.reshape(T, H).contiguous()
     cos, sin = (e.reshape(T, -1).to(torch.float32).contiguous() for e in position_embeddings)
     for i, layer in enumerate(inner.layers):

@@ -1,22 +1,10 @@
-"""Importing an optional compiled extension of thinkahead.models (setup.py builds them as optional):
-`import_extension` once, or `LazyExtension` on first use (the kernels' modules hold one each)."""
+"""Importing an optional compiled extension of thinkahead.models (setup.py builds them as optional) on
+first use: each kernel's module holds one `LazyExtension`."""
 
 from __future__ import annotations
 
 import importlib
 from types import ModuleType
-
-
-def import_extension(name: str, requirement: str) -> tuple[ModuleType | None, str | None]:
-    """(module, None) for `thinkahead.models.<name>` when it imports and its `cpu_supported()` is true,
-    else (None, why it cannot run: not built, or this CPU lacks `requirement`)."""
-    try:
-        module = importlib.import_module(f"thinkahead.models.{name}")
-    except ImportError as exc:
-        return None, f"the extension thinkahead.models.{name} is not built ({exc})"
-    if not module.cpu_supported():
-        return None, f"this CPU lacks {requirement}"
-    return module, None
 
 
 class LazyExtension:
@@ -37,7 +25,17 @@ class LazyExtension:
         return ext
 
     def load(self) -> ModuleType | None:
+        """`thinkahead.models.<name>` when it imports and its `cpu_supported()` is true, else None (and
+        `error`: not built, or this CPU lacks `requirement`). Tried once."""
         if not self._tried:
-            self.module, self.error = import_extension(self.name, self.requirement)
             self._tried = True
+            try:
+                module = importlib.import_module(f"thinkahead.models.{self.name}")
+            except ImportError as exc:
+                self.error = f"the extension thinkahead.models.{self.name} is not built ({exc})"
+            else:
+                if module.cpu_supported():
+                    self.module = module
+                else:
+                    self.error = f"this CPU lacks {self.requirement}"
         return self.module
