@@ -276,25 +276,33 @@ def test_malformed_headers_are_value_errors(damage, tmp_path) -> None:
     assert resolve_dtype("auto", str(tmp_path), "bad.gguf") == "int8"  # auto never raises on it
 
 
-def test_weights_in_huge_pages_are_the_files_bytes_and_give_the_memory_maps_logits(tiny_gguf, monkeypatch) -> None:
+def test_weights_are_read_once_into_own_memory_and_rewritten_there_with_or_without_huge_pages(tiny_gguf, monkeypatch) -> None:
     path, _ = tiny_gguf
     data = huge_pages.read(path)
-    assert data.ctypes.data % huge_pages.HUGE_PAGE == 0 and not data.flags.writeable
+    assert data.ctypes.data % huge_pages.HUGE_PAGE == 0 and data.flags.writeable
     assert data.tobytes() == path.read_bytes()
     prompt = [(5 * i + 1) % VOCAB for i in range(23)]
     monkeypatch.setattr(huge_pages, "available", lambda: os.environ[huge_pages.ENV] == "1")
-    reads: list[np.ndarray] = []
+    reads: list[tuple[np.ndarray, bool]] = []
     real_read = huge_pages.read
-    monkeypatch.setattr(huge_pages, "read", lambda p: reads.append(real_read(p)) or reads[-1])
+    monkeypatch.setattr(huge_pages, "read", lambda p, huge=True: reads.append((real_read(p, huge), huge)) or reads[-1][0])
     logits = {}
     for setting in ("1", "0"):
         monkeypatch.setenv(huge_pages.ENV, setting)
         model = gguf_native.build_model(path, tiny_config())
-        heavy = model.model.layers[0].mlp.gate_up_proj.blocks0.data_ptr()
-        in_copy = bool(reads) and reads[-1].ctypes.data <= heavy < reads[-1].ctypes.data + reads[-1].size
-        assert in_copy == (setting == "1")
+        copy, huge = reads[-1]
+        assert huge == (setting == "1")
+        inside = lambda t: copy.ctypes.data <= t.data_ptr() < copy.ctypes.data + copy.size  # noqa: E731
+        linear = model.model.layers[0].mlp.gate_up_proj
+        assert inside(linear.blocks0) and inside(model.model.embed_tokens.blocks)  # rewritten in place, no copy
+        # the embedding table keeps the file's bytes; the linears' Q4_K/Q6_K blocks were rewritten
+        table = model.model.embed_tokens.blocks
+        offset = table.data_ptr() - copy.ctypes.data
+        assert bytes(copy[offset:offset + table.numel()]) == path.read_bytes()[offset:offset + table.numel()]
+        offset = linear.blocks0.data_ptr() - copy.ctypes.data
+        assert bytes(copy[offset:offset + linear.blocks0.numel()]) != path.read_bytes()[offset:offset + linear.blocks0.numel()]
         logits[setting] = HFEngine(model).logits_for_prefix(prompt)
-    assert len(reads) == 1 and torch.equal(logits["1"], logits["0"])
+    assert len(reads) == 2 and torch.equal(logits["1"], logits["0"])
 
 
 def test_huge_pages_follow_the_kernels_setting_and_the_opt_out(tmp_path, monkeypatch) -> None:

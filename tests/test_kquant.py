@@ -183,3 +183,25 @@ def test_the_kernel_refuses_what_it_cannot_run_without_aborting() -> None:
     layer = kquant.GGUFLinear([quant_tensor("w", T.Q8_0, 8, 64)[0]])
     with pytest.raises(ValueError, match="runs on the CPU; the input is on meta"):
         layer(torch.empty(1, 64, device="meta"))
+
+
+@pytest.mark.parametrize("name", list(TYPES))
+def test_the_kernel_layout_is_a_rewrite_of_the_same_bytes_in_place_or_as_a_copy(name) -> None:
+    kind = TYPES[name]
+    tensor, blocks = quant_tensor("w", kind, 12, 512 if kind in (T.Q4_K, T.Q6_K) else 96, seed=3)
+    original = blocks.copy()
+    copy = kquant.kernel_layout(tensor)
+    assert copy.layout == kquant.KERNEL_LAYOUT and kquant.kernel_layout(copy) is copy
+    assert np.array_equal(tensor.blocks.numpy(), original)  # the file's blocks are left alone
+    rewritten = kquant.kernel_layout(tensor, in_place=True)
+    assert rewritten.blocks.data_ptr() == tensor.blocks.data_ptr() and torch.equal(rewritten.blocks, copy.blocks)
+    if kind in (T.Q4_K, T.Q6_K):  # the codes move; the scales (d, dmin) stay where they were
+        size, header = (144, slice(0, 4)) if kind == T.Q4_K else (210, slice(208, 210))
+        assert not np.array_equal(copy.blocks.numpy(), original)
+        assert np.array_equal(copy.blocks.numpy().reshape(-1, size)[:, header], original.reshape(-1, size)[:, header])
+    else:  # one layout: no copy made
+        assert copy.blocks.data_ptr() == tensor.blocks.data_ptr()
+    with pytest.raises(ValueError, match="file's layout, not the kernel's"):
+        kquant.GGUFEmbedding(copy)
+    with pytest.raises(ValueError, match="layout must be"):
+        kquant.QuantTensor("w", int(kind), tensor.rows, tensor.cols, tensor.blocks, "transposed")

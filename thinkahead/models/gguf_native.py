@@ -3,10 +3,12 @@
 `build_model(gguf_path, config)` reads the file's tensor index (`read_index`: the header only; the
 vocabulary arrays are skipped, not parsed), builds the transformers model on the meta device, fuses
 Qwen2's q/k/v and gate/up (fused_qwen2.py), and puts in `GGUFLinear`s and a `GGUFEmbedding` over
-views of the file's bytes (thinkahead/models/kquant.py; read once into huge pages where the kernel
-offers them, else memory-mapped: huge_pages.py) plus the few float tensors (norms, biases). Nothing
-is dequantized or converted: a start costs the config and the tokenizer, which the weight cache keeps
-(weight_cache.py stores entries of dtype "gguf" without weights), and one read of the file.
+views of the file's bytes (thinkahead/models/kquant.py), read once into the process's memory (huge
+pages where the kernel offers them: huge_pages.py), plus the few float tensors (norms, biases). Nothing
+is dequantized or converted; the linears' blocks are rewritten in place into the kernel's layout (the
+same bytes, codes permuted: kquant.kernel_layout). A start costs the config and the tokenizer, which
+the weight cache keeps (weight_cache.py stores entries of dtype "gguf" without weights), one read of
+the file and its rewrite.
 
 Architectures: qwen2 (the packaged Qwen2.5 models). Others are refused by name: llama-family GGUFs
 store q/k rows permuted for their rope layout, which this loader does not undo.
@@ -29,12 +31,13 @@ import torch
 from gguf.constants import GGML_QUANT_SIZES
 
 from thinkahead.models import huge_pages
-from thinkahead.models.kquant import BLOCK_GEOMETRY, GGUFEmbedding, GGUFLinear, QuantTensor, blocks_view
+from thinkahead.models.kquant import BLOCK_GEOMETRY, GGUFEmbedding, GGUFLinear, QuantTensor, blocks_view, kernel_layout
 
 logger = logging.getLogger(__name__)
 
 ARCHITECTURES = ("qwen2",)
 _F32 = 0
+_EMBEDDING = "token_embd.weight"  # the token embedding table (also the lm_head where the file has no output.weight)
 _TYPE_SIZES = {int(kind): sizes for kind, sizes in GGML_QUANT_SIZES.items()}  # (values, bytes) per block
 _DEFAULT_ALIGNMENT = 32
 # GGUF metadata value types: fixed sizes (bytes) by type id; 8 = string, 9 = array
@@ -157,15 +160,21 @@ def unsupported_reason(path: str | Path) -> str | None:
 
 
 class _Tensors:
-    """Views of a GGUF file's tensors: its bytes read into huge pages where the kernel offers them
-    (huge_pages.py: the kernels stream them ~14% faster), else one read-only memory map."""
+    """Views of a GGUF file's tensors: its bytes read into the process's own memory, in huge pages where
+    the kernel offers them (huge_pages.py: the kernels stream them ~14% faster). The linears' tensors
+    are rewritten there into the kernel's layout, each once (`linear`)."""
 
-    def __init__(self, index: GGUFIndex):
+    def __init__(self, index: GGUFIndex, embedding: str):
         self.index = index
-        if huge_pages.available():
-            self.data = huge_pages.read(index.path)
-        else:
-            self.data = np.memmap(index.path, dtype=np.uint8, mode="r")
+        self.embedding = embedding  # read in the file's layout: a linear over it gets its own copy
+        self.data = huge_pages.read(index.path, huge=huge_pages.available())
+        self._rewritten: dict[str, QuantTensor] = {}
+
+    def linear(self, name: str) -> QuantTensor:
+        """Tensor `name` in the kernel's layout (rewritten in place, once; a copy for the embedding)."""
+        if name not in self._rewritten:
+            self._rewritten[name] = kernel_layout(self.quant(name), in_place=name != self.embedding)
+        return self._rewritten[name]
 
     def has(self, name: str) -> bool:
         return name in self.index.tensors
@@ -195,7 +204,7 @@ class _Tensors:
 
 
 def _linear(tensors: _Tensors, names: list[str]) -> GGUFLinear:
-    parts = [tensors.quant(f"{name}.weight") for name in names]
+    parts = [tensors.linear(f"{name}.weight") for name in names]
     biases = [f"{name}.bias" for name in names]
     present = [tensors.has(b) for b in biases]
     if any(present) and not all(present):
@@ -229,15 +238,15 @@ def build_model(gguf_path: str | Path, config: Any) -> Any:
 
     index = read_index(gguf_path)
     _check_architecture(index.path, config, index.architecture)
-    tensors = _Tensors(index)
+    tensors = _Tensors(index, embedding=_EMBEDDING)
     config.tie_word_embeddings = False  # the lm_head gets its own module below
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     fuse_qwen2(model)
     inner = model.model
-    inner.embed_tokens = GGUFEmbedding(tensors.quant("token_embd.weight"))
-    output = "output.weight" if tensors.has("output.weight") else "token_embd.weight"
-    model.lm_head = GGUFLinear([tensors.quant(output)])
+    inner.embed_tokens = GGUFEmbedding(tensors.quant(_EMBEDDING))
+    output = "output.weight" if tensors.has("output.weight") else _EMBEDDING
+    model.lm_head = GGUFLinear([tensors.linear(output)])
     for i, layer in enumerate(inner.layers):
         blk = f"blk.{i}"
         attn, mlp = layer.self_attn, layer.mlp

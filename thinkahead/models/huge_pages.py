@@ -1,4 +1,5 @@
-"""A file's bytes in memory backed by transparent huge pages (2 MiB), for weights read at every step.
+"""A file's bytes in the process's own memory, backed by transparent huge pages (2 MiB) where the
+kernel offers them: weights read at every step.
 
 Why: a decode step streams every weight once (about 1 GB on the 1.5B model). From a memory map of
 the file (4 KiB pages of the page cache) the GGUF kernels read 15 GB/s; the same bytes in an anonymous
@@ -7,10 +8,10 @@ same process: 64 -> 55 ms), the cost being one read of the file at start (about 
 the page cache) and memory that is the process's own (two processes on one model hold two copies,
 where a memory map shares the page cache).
 
-Used where the kernel offers transparent huge pages (`/sys/kernel/mm/transparent_hugepage/enabled`
-is `always` or `madvise`) unless `THINKAHEAD_GGUF_HUGEPAGES=0` (or false/no/off); otherwise callers keep
-the memory map.
-The copy is read-only: nothing writes the weights.
+Huge pages are asked for where the kernel offers them (`/sys/kernel/mm/transparent_hugepage/enabled`
+is `always` or `madvise`) unless `THINKAHEAD_GGUF_HUGEPAGES=0` (or false/no/off): then the copy keeps
+4 KiB pages. The copy is writable: the GGUF loader rewrites the linears' blocks in it once, into the
+kernel's layout (kquant.kernel_layout), before any layer reads them.
 """
 
 from __future__ import annotations
@@ -41,15 +42,16 @@ def available() -> bool:
     return "[always]" in mode or "[madvise]" in mode
 
 
-def read(path: Path) -> np.ndarray:
-    """The whole file as a read-only uint8 array in an anonymous region advised into huge pages,
-    starting on a huge-page boundary. Raises ValueError if the file shrinks while it is read."""
+def read(path: Path, huge: bool = True) -> np.ndarray:
+    """The whole file as a uint8 array in a private anonymous region, starting on a huge-page boundary
+    and advised into huge pages if `huge`. Raises ValueError if the file shrinks while it is read."""
     with open(path, "rb") as fh:
         size = os.fstat(fh.fileno()).st_size
         # private and anonymous (a shared one would be shmem, which THP's `enabled` does not govern);
         # room to start on a huge-page boundary
         region = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        region.madvise(mmap.MADV_HUGEPAGE)
+        if huge and hasattr(mmap, "MADV_HUGEPAGE"):
+            region.madvise(mmap.MADV_HUGEPAGE)
         whole = np.frombuffer(region, dtype=np.uint8)
         start = -whole.ctypes.data % HUGE_PAGE
         data = whole[start:start + size]
@@ -59,6 +61,5 @@ def read(path: Path) -> np.ndarray:
             if not n:
                 raise ValueError(f"{path}: the file ended after {done} of {size} bytes while it was read")
             done += n
-    data.flags.writeable = False
-    logger.debug("read %s (%.0f MB) into huge pages", path.name, size / 1e6)
+    logger.debug("read %s (%.0f MB) into %s pages", path.name, size / 1e6, "huge" if huge else "4 KiB")
     return data

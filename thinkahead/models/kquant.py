@@ -11,6 +11,11 @@ accumulated in one fixed order whatever the number of rows, so verifying k draft
 exactly what decoding them one by one computes (tests/test_kquant.py); with float64 attention
 (exact_attention.py) speculative greedy output equals plain greedy output.
 
+Layout: a Q4_K/Q6_K linear's blocks are rewritten once, at load, into the kernel's layout (the same
+bytes per block, its codes permuted so that one multiply-add per 32 values leaves every sub-block's
+sum in its own vector lane: native/kquant_layout.inc); `kernel_layout` does it, in place where the
+caller owns the bytes. Embedding tables keep the file's layout.
+
 ISA: the dot products are compiled twice (native/kquant_dots.inc), for AVX2 and for AVX-VNNI, whose
 multiply-add instructions give the same integers in the same lanes: the same bits either way
 (`set_isa` in tests); AVX-VNNI is used where the CPU has it (1.1-1.4x fewer cycles per layer).
@@ -23,7 +28,7 @@ name (`SUPPORTED_TYPES`).
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import ModuleType
 
 import numpy as np
@@ -59,15 +64,21 @@ def kernel() -> ModuleType:
     return mod
 
 
+FILE_LAYOUT, KERNEL_LAYOUT = "file", "kernel"  # QuantTensor.layout: the GGUF file's block layout, or the kernel's
+_REPACKED_TYPES = frozenset({int(GGMLQuantizationType.Q4_K), int(GGMLQuantizationType.Q6_K)})
+
+
 @dataclass(frozen=True, slots=True)
 class QuantTensor:
-    """A 2-D GGUF tensor in its blocks: `blocks` uint8 [rows, row_bytes] for `rows` x `cols` values."""
+    """A 2-D GGUF tensor in its blocks: `blocks` uint8 [rows, row_bytes] for `rows` x `cols` values, in
+    the file's layout or the kernel's (`kernel_layout`)."""
 
     name: str
     type: int
     rows: int
     cols: int
     blocks: torch.Tensor
+    layout: str = FILE_LAYOUT
 
     def __post_init__(self) -> None:
         if self.type not in BLOCK_GEOMETRY:
@@ -79,10 +90,26 @@ class QuantTensor:
                 or not self.blocks.is_contiguous()):
             raise ValueError(f"tensor {self.name}: blocks {tuple(self.blocks.shape)} do not hold {self.rows} x "
                              f"{self.cols} values of {_TYPE_NAMES[self.type]} (contiguous uint8)")
+        if self.layout not in (FILE_LAYOUT, KERNEL_LAYOUT):
+            raise ValueError(f"tensor {self.name}: layout must be {FILE_LAYOUT!r} or {KERNEL_LAYOUT!r}, got {self.layout!r}")
+
+
+def kernel_layout(tensor: QuantTensor, in_place: bool = False) -> QuantTensor:
+    """`tensor` with its blocks in the kernel's layout. `in_place` rewrites the given bytes: the caller
+    owns them, they are writable, and nothing reads them in the file's layout after; otherwise the
+    rewritten blocks are a copy."""
+    if tensor.layout == KERNEL_LAYOUT:
+        return tensor
+    if tensor.type not in _REPACKED_TYPES:  # one layout for these
+        return replace(tensor, layout=KERNEL_LAYOUT)
+    blocks = tensor.blocks if in_place else torch.empty_like(tensor.blocks)
+    nbytes = BLOCK_GEOMETRY[tensor.type][1]
+    kernel().repack(tensor.type, tensor.blocks.data_ptr(), blocks.data_ptr(), tensor.blocks.numel() // nbytes)
+    return QuantTensor(tensor.name, tensor.type, tensor.rows, tensor.cols, blocks, KERNEL_LAYOUT)
 
 
 def blocks_view(data: np.ndarray) -> torch.Tensor:
-    """A torch view of read-only (memory-mapped) uint8 blocks; the layers only ever read it."""
+    """A torch view of uint8 blocks (a file's bytes, maybe read-only); the layers only ever read it."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "non-writable NumPy array": read-only by design
         return torch.from_numpy(data)
@@ -96,6 +123,7 @@ class GGUFLinear(torch.nn.Module):
         super().__init__()
         if not parts or len({p.cols for p in parts}) != 1:
             raise ValueError("a GGUFLinear needs one or more tensors with the same number of columns")
+        parts = [kernel_layout(p) for p in parts]  # a copy where the loader has not rewritten them in place
         self.in_features = parts[0].cols
         self.out_features = sum(p.rows for p in parts)
         if bias is not None and tuple(bias.shape) != (self.out_features,):
@@ -137,6 +165,8 @@ class GGUFEmbedding(torch.nn.Module):
 
     def __init__(self, table: QuantTensor):
         super().__init__()
+        if table.layout != FILE_LAYOUT:
+            raise ValueError(f"embedding {table.name}: its blocks must be in the file's layout, not the kernel's")
         self.num_embeddings, self.embedding_dim = table.rows, table.cols
         self.name = table.name
         self._type = table.type

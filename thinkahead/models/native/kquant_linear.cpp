@@ -65,8 +65,8 @@ int64_t block_bytes(int type) {
 }
 
 struct alignas(32) Q8K {  // x per 256 values (aligned: the kernel's 32-byte loads never straddle a line)
-    int8_t qs[QK_K];
-    int16_t bsums[QK_K / 16];
+    int8_t qs[QK_K];           // in the kernel layout (kquant_layout.inc)
+    int16_t bsums[QK_K / 16];  // sums of 16 codes: groups 0, 2, .., 14, then 1, 3, .., 15
     float d;
 };
 
@@ -74,6 +74,8 @@ struct alignas(4) Q8B {  // x per 32 values
     int8_t qs[QK];
     float d;
 };
+
+#include "kquant_layout.inc"
 
 // ---- activation quantization (scalar: a few thousand values per row, next to megabytes of weights) --
 
@@ -97,12 +99,9 @@ void quantize_q8k(const float* x, int64_t K, Q8K* out) {
             continue;
         }
         const float iscale = -127.0f / mx;
-        for (int64_t j = 0; j < QK_K; ++j) q.qs[j] = static_cast<int8_t>(std::min(127.0f, std::nearbyint(iscale * v[j])));
-        for (int g = 0; g < QK_K / 16; ++g) {
-            int sum = 0;
-            for (int j = 0; j < 16; ++j) sum += q.qs[16 * g + j];
-            q.bsums[g] = static_cast<int16_t>(sum);
-        }
+        int8_t codes[QK_K];
+        for (int64_t j = 0; j < QK_K; ++j) codes[j] = static_cast<int8_t>(std::min(127.0f, std::nearbyint(iscale * v[j])));
+        permute_q8k(codes, q.qs, q.bsums);
         q.d = 1.0f / iscale;
     }
 }
@@ -265,6 +264,22 @@ void linear(uintptr_t x, int64_t M, int64_t K, const py::list& types, const py::
     }
 }
 
+// Rewrites `blocks` Q4_K or Q6_K super-blocks from the file's layout into the kernel's
+// (kquant_layout.inc); src == dst rewrites them in place. Other types have one layout: a copy.
+void repack(int type, uintptr_t src, uintptr_t dst, int64_t blocks) {
+    const int64_t bytes = block_bytes(type);
+    if (blocks < 0) throw std::invalid_argument("kquant repack: a negative number of blocks");
+    if (!thinkahead_native::avx2_fma_supported()) throw std::runtime_error("kquant repack: this CPU lacks AVX2/FMA");
+    const uint8_t* in = as_ptr<const uint8_t>(src);
+    uint8_t* out = as_ptr<uint8_t>(dst);
+    py::gil_scoped_release release;
+    for (int64_t b = 0; b < blocks; ++b) {
+        if (type == Q4_K) repack_q4k_block(in + b * bytes, out + b * bytes);
+        else if (type == Q6_K) repack_q6k_block(in + b * bytes, out + b * bytes);
+        else if (in != out) std::memcpy(out + b * bytes, in + b * bytes, static_cast<size_t>(bytes));
+    }
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_kquant_native, m) {
@@ -281,6 +296,8 @@ PYBIND11_MODULE(_kquant_native, m) {
     m.def("block_bytes", &block_bytes, py::arg("type"));
     m.def("linear", &linear, py::arg("x"), py::arg("m"), py::arg("k"), py::arg("types"), py::arg("weights"),
           py::arg("rows"), py::arg("biases"), py::arg("out"), py::arg("threads"));
+    m.def("repack", &repack, py::arg("type"), py::arg("src"), py::arg("dst"), py::arg("blocks"),
+          "rewrite blocks from the file's layout into the kernel's (src == dst: in place)");
     m.def("threading", &thinkahead_native::threading);
     m.def("isa", &isa, "which build of the dot products runs: avxvnni where the CPU has it, else avx2");
     m.def("set_isa", &set_isa, py::arg("name"), "avx2 or avxvnni (the same results; for tests and benches)");
