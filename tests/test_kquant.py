@@ -205,3 +205,35 @@ def test_the_kernel_layout_is_a_rewrite_of_the_same_bytes_in_place_or_as_a_copy(
         kquant.GGUFEmbedding(copy)
     with pytest.raises(ValueError, match="layout must be"):
         kquant.QuantTensor("w", int(kind), tensor.rows, tensor.cols, tensor.blocks, "transposed")
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
+def test_tiles_of_eight_rows_give_the_row_by_row_bits(name) -> None:
+    native = kquant.kernel()
+    if native.isa() != "avxvnni":
+        pytest.skip("tiles run where the CPU has AVX-VNNI")
+    kind = TYPES[name]
+    layer = kquant.GGUFLinear([quant_tensor("a", kind, 37, 768, seed=1)[0], quant_tensor("b", T.Q4_K, 20, 768, seed=2)[0]],
+                              torch.randn(57))
+    x = torch.randn(29, 768) * 3
+    x[5] = 0.0
+    x[9, :256] = 1e-39  # a block too small to scale
+    x[13, 300] = float("nan")
+    default, threads_before = native.tile_from(), torch.get_num_threads()
+    try:
+        native.set_tile_from(0)
+        rows = [layer(x[:m]) for m in range(1, 30)]
+        native.set_tile_from(8)
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            tiled = [layer(x[:m]) for m in range(1, 30)]
+            for a, b in zip(rows, tiled, strict=True):
+                assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
+        alone = torch.cat([layer(x[m:m + 1]) for m in range(29)])
+        assert torch.equal(alone.nan_to_num(7.0), tiled[-1].nan_to_num(7.0))
+        assert tiled[-1][13].isnan().all() and not tiled[-1][12].isnan().any()
+        with pytest.raises(ValueError, match="rows >= 0"):
+            native.set_tile_from(-1)
+    finally:
+        native.set_tile_from(default)
+        torch.set_num_threads(threads_before)

@@ -141,6 +141,8 @@ struct Job {
     const Q8B* xb = nullptr;  // [M, K / 32], where some part needs it
     float* out = nullptr;     // [M, N]
     bool vnni = false;        // the AVX-VNNI build of the dot products (the same results, fewer instructions)
+    const void* xt = nullptr; // x's first `tiled` rows as isa_vnni::XTile [tiled / 8][K / 256] (kquant_tiles.inc)
+    int64_t tiled = 0;        // rows of x the K-quant parts compute in tiles (a multiple of 8; 0: none)
 };
 
 // ---- the dot products, compiled for each ISA (kquant_dots.inc) ------------------------------------
@@ -159,6 +161,7 @@ namespace isa_vnni {
 #pragma GCC target("avx2,fma,f16c,avxvnni")
 #define KQ_VNNI 1
 #include "kquant_dots.inc"
+#include "kquant_tiles.inc"
 #undef KQ_VNNI
 #pragma GCC pop_options
 }  // namespace isa_vnni
@@ -168,6 +171,13 @@ void run_chunk(const void* ctx, int64_t chunk) {
     const Part& part = job.parts[static_cast<size_t>(job.chunk_part[chunk])];
     const int64_t row_bytes = job.K / block_values(part.type) * block_bytes(part.type);
     const int64_t last = job.chunk_last[chunk];
+    const bool kquant = part.type == Q4_K || part.type == Q6_K;
+    const int64_t m_first = kquant ? job.tiled : 0;  // rows before it: in tiles
+    if (kquant && job.tiled > 0) {
+        if (part.type == Q4_K) isa_vnni::tiled_rows<Q4_K>(part, job, job.chunk_first[chunk], last, row_bytes);
+        else isa_vnni::tiled_rows<Q6_K>(part, job, job.chunk_first[chunk], last, row_bytes);
+        if (m_first == job.M) return;
+    }
     for (int64_t n = job.chunk_first[chunk]; n < last; ++n) {
         const uint8_t* w = part.w + n * row_bytes;
         // The weights stream from memory once: ask for the row PREFETCH_ROWS ahead while this one computes
@@ -178,7 +188,7 @@ void run_chunk(const void* ctx, int64_t chunk) {
         }
         const float bias = part.bias == nullptr ? 0.0f : part.bias[n];
         float res[MAX_MR];
-        for (int64_t m = 0; m < job.M; m += MAX_MR) {
+        for (int64_t m = m_first; m < job.M; m += MAX_MR) {
             const int64_t rows = std::min<int64_t>(MAX_MR, job.M - m);
             switch (rows) {
                 case 4: job.vnni ? isa_vnni::dot_rows<4>(part, w, job, m, res) : isa_avx2::dot_rows<4>(part, w, job, m, res); break;
@@ -201,6 +211,9 @@ bool vnni_supported() {
 }
 
 std::atomic<bool> use_vnni{true};  // false: the AVX2 build even where AVX-VNNI exists (set_isa, for tests)
+// Rows of x from which the K-quant parts run in tiles of 8 (AVX-VNNI; the same bits as row by row).
+constexpr int64_t TILE_FROM_ROWS = 8;
+std::atomic<int64_t> tile_from{TILE_FROM_ROWS};  // set_tile_from (tests, benches); 0: never
 
 std::string isa() { return use_vnni.load() && vnni_supported() ? "avxvnni" : "avx2"; }
 
@@ -253,6 +266,14 @@ void linear(uintptr_t x, int64_t M, int64_t K, const py::list& types, const py::
             xk.resize(static_cast<size_t>(M * (K / QK_K)));
             for (int64_t m = 0; m < M; ++m) quantize_q8k(xf + m * K, K, xk.data() + m * (K / QK_K));
             job.xk = xk.data();
+            const int64_t from = tile_from.load();
+            if (job.vnni && from > 0 && M >= from && M >= isa_vnni::TILE) {
+                thread_local std::vector<isa_vnni::XTile> xt;
+                job.tiled = M / isa_vnni::TILE * isa_vnni::TILE;
+                xt.resize(static_cast<size_t>(job.tiled / isa_vnni::TILE * (K / QK_K)));
+                isa_vnni::make_tiles(xk.data(), job.tiled, K / QK_K, xt.data());
+                job.xt = xt.data();
+            }
         }
         if (need_b) {
             xb.resize(static_cast<size_t>(M * (K / QK)));
@@ -299,6 +320,11 @@ PYBIND11_MODULE(_kquant_native, m) {
     m.def("repack", &repack, py::arg("type"), py::arg("src"), py::arg("dst"), py::arg("blocks"),
           "rewrite blocks from the file's layout into the kernel's (src == dst: in place)");
     m.def("threading", &thinkahead_native::threading);
+    m.def("tile_from", [] { return tile_from.load(); }, "rows of x from which K-quant parts run in tiles (0: never)");
+    m.def("set_tile_from", [](int64_t rows) {
+        if (rows < 0) throw std::invalid_argument("set_tile_from: rows >= 0 (0: never)");
+        tile_from.store(rows);
+    }, py::arg("rows"), "rows of x from which K-quant parts run in tiles of 8 (the same results; for tests and benches)");
     m.def("isa", &isa, "which build of the dot products runs: avxvnni where the CPU has it, else avx2");
     m.def("set_isa", &set_isa, py::arg("name"), "avx2 or avxvnni (the same results; for tests and benches)");
     m.def("set_threading", &thinkahead_native::set_threading, py::arg("mode"));
