@@ -56,7 +56,8 @@ setup(
         Pybind11Extension(
             "thinkahead.models._kquant_native",
             ["thinkahead/models/native/kquant_linear.cpp"],
-            depends=["thinkahead/models/native/parallel.hpp", "thinkahead/models/native/kquant_dots.inc"],
+            depends=["thinkahead/models/native/parallel.hpp", "thinkahead/models/native/kquant_dots.inc",
+                     "thinkahead/models/native/kquant_layout.inc", "thinkahead/models/native/kquant_tiles.inc"],
             cxx_std=17,
             # Rows must not depend on the batch: the only contractions are the kernel's explicit FMAs.
             extra_compile_args=["-O3", "-ffp-contract=off"],

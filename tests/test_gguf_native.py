@@ -45,8 +45,9 @@ def tiny_config() -> Qwen2Config:
     return config
 
 
-def write_tiny_gguf(path, arch: str = "qwen2") -> dict[str, np.ndarray]:
-    """A tiny Qwen2 GGUF (with a vocabulary array the reader must skip); the dequantized weights."""
+def write_tiny_gguf(path, arch: str = "qwen2", tied: bool = False) -> dict[str, np.ndarray]:
+    """A tiny Qwen2 GGUF (with a vocabulary array the reader must skip); the dequantized weights.
+    `tied`: no output.weight (the lm_head is the embedding table, Q4_K)."""
     rng = np.random.default_rng(0)
     writer = GGUFWriter(str(path), arch)
     writer.add_array("tokenizer.ggml.tokens", [f"tok{i}" for i in range(VOCAB)])
@@ -62,7 +63,7 @@ def write_tiny_gguf(path, arch: str = "qwen2") -> dict[str, np.ndarray]:
         writer.add_tensor(name, values.astype(np.float32))
         floats[name] = values.astype(np.float32)
 
-    quant("token_embd.weight", T.Q8_0, VOCAB, HIDDEN)
+    quant("token_embd.weight", T.Q4_K if tied else T.Q8_0, VOCAB, HIDDEN)
     for i in range(LAYERS):
         for short, (kind, rows, cols) in LINEARS.items():
             quant(f"blk.{i}.{short}.weight", kind, rows, cols)
@@ -71,7 +72,10 @@ def write_tiny_gguf(path, arch: str = "qwen2") -> dict[str, np.ndarray]:
         plain(f"blk.{i}.attn_norm.weight", 1 + 0.1 * rng.standard_normal(HIDDEN))
         plain(f"blk.{i}.ffn_norm.weight", 1 + 0.1 * rng.standard_normal(HIDDEN))
     plain("output_norm.weight", 1 + 0.1 * rng.standard_normal(HIDDEN))
-    quant("output.weight", T.Q6_K, VOCAB, HIDDEN)
+    if tied:
+        floats["output.weight"] = floats["token_embd.weight"]
+    else:
+        quant("output.weight", T.Q6_K, VOCAB, HIDDEN)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -303,6 +307,21 @@ def test_weights_are_read_once_into_own_memory_and_rewritten_there_with_or_witho
         assert bytes(copy[offset:offset + linear.blocks0.numel()]) != path.read_bytes()[offset:offset + linear.blocks0.numel()]
         logits[setting] = HFEngine(model).logits_for_prefix(prompt)
     assert len(reads) == 2 and torch.equal(logits["1"], logits["0"])
+
+
+def test_a_tied_lm_head_gets_its_own_rewritten_copy_and_the_embedding_keeps_the_files_rows(tmp_path) -> None:
+    path = tmp_path / "tied.gguf"
+    floats = write_tiny_gguf(path, tied=True)
+    model = gguf_native.build_model(path, tiny_config())
+    table, head = model.model.embed_tokens.blocks, model.lm_head.blocks0
+    assert table.data_ptr() != head.data_ptr() and not torch.equal(table, head)
+    ids = torch.tensor([[0, 5, VOCAB - 1]])
+    assert torch.equal(model.model.embed_tokens(ids), torch.from_numpy(floats["token_embd.weight"])[ids])
+    ids = torch.tensor([repetitive_prompt(0, 24)])
+    with torch.no_grad():
+        ours, theirs = model(ids).logits, float_reference(floats)(ids).logits
+    assert float((ours - theirs).abs().mean() / theirs.abs().mean()) < 0.05  # as the untied model's test
+    assert (ours.argmax(-1) == theirs.argmax(-1)).float().mean() > 0.9
 
 
 def test_huge_pages_follow_the_kernels_setting_and_the_opt_out(tmp_path, monkeypatch) -> None:

@@ -1,6 +1,7 @@
 // Linears computed directly on a GGUF file's quantized blocks (Q4_K, Q6_K, Q5_0, Q8_0), AVX2, for
-// thinkahead/models/kquant.py: y = x @ W.T + b where W stays in the file's own blocks (memory-mapped,
-// never converted) and every row of x is quantized to 8 bits per block, as llama.cpp does it.
+// thinkahead/models/kquant.py: y = x @ W.T + b where W stays in the file's blocks (never converted;
+// Q4_K/Q6_K codes permuted once at load into the kernel's layout: kquant_layout.inc) and every row of
+// x is quantized to 8 bits per block, as llama.cpp does it.
 //
 // Why: a decode step on a CPU is bound by the bytes of weights it streams. The packaged models are
 // Q4_K_M files (~4.8 bits per weight); converting them to int8 reads 1.7x the bytes per step.
@@ -10,10 +11,13 @@
 // - Q4_K/Q6_K weights (256-value super-blocks) meet x quantized per 256 values (llama.cpp's Q8_K:
 //   d = max / -127 with max the value of largest magnitude, q = round_half_even(x / d), and the sums of
 //   every 16 q); Q5_0/Q8_0 weights (32-value blocks) meet x quantized per 32 values (d = amax / 127).
-// - Each block's dot product is exact integer arithmetic; the float parts (block scales times the
-//   integer sums) are accumulated in one fixed order of vector lanes per (row, output), the same code
-//   for every row whatever M, the tile or the thread: the result is bit-identical row by row.
-// - No fused contraction beyond the explicit _mm256_fmadd_ps (compiled with -ffp-contract=off).
+// - Each block's dot product is exact integer arithmetic. Q4_K/Q6_K: per super-block, two exact
+//   integers (the scaled dot product, the mins term) meet the float scales in one fixed formula and
+//   order (kquant_dots.inc's epilogue), whichever path computed them: row by row (kquant_dots.inc),
+//   several rows per vector (the same), or tiles of 8 rows in the vector lanes (kquant_tiles.inc, from
+//   8 rows of x on, AVX-VNNI). Q5_0/Q8_0: one fixed order of vector lanes per (row, output). Either way
+//   the result is bit-identical row by row, whatever M, the path or the thread.
+// - No fused contraction beyond the explicit fmadd (compiled with -ffp-contract=off).
 //
 // Threads: chunks of output channels of one part, run by parallel.hpp.
 
@@ -211,8 +215,10 @@ bool vnni_supported() {
 }
 
 std::atomic<bool> use_vnni{true};  // false: the AVX2 build even where AVX-VNNI exists (set_isa, for tests)
-// Rows of x from which the K-quant parts run in tiles of 8 (AVX-VNNI; the same bits as row by row).
-constexpr int64_t TILE_FROM_ROWS = 8;
+// Rows of x from which the K-quant parts run in tiles of 8 (AVX-VNNI; the same bits as row by row). Below
+// 16 rows the row-by-row path is as fast or faster (1.5B layers: tiles 1.0-1.3x its time at 8-12 rows,
+// 0.85-1.02x at 16, 0.7x at 64).
+constexpr int64_t TILE_FROM_ROWS = 16;
 std::atomic<int64_t> tile_from{TILE_FROM_ROWS};  // set_tile_from (tests, benches); 0: never
 
 std::string isa() { return use_vnni.load() && vnni_supported() ? "avxvnni" : "avx2"; }
