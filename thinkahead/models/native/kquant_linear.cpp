@@ -145,8 +145,8 @@ struct Job {
     const Q8B* xb = nullptr;  // [M, K / 32], where some part needs it
     float* out = nullptr;     // [M, N]
     bool vnni = false;        // the AVX-VNNI build of the dot products (the same results, fewer instructions)
-    const void* xt = nullptr; // x's first `tiled` rows as isa_vnni::XTile [tiled / 8][K / 256] (kquant_tiles.inc)
-    int64_t tiled = 0;        // rows of x the K-quant parts compute in tiles (a multiple of 8; 0: none)
+    const void* xt = nullptr; // x's first `tiled` rows as isa_vnni::XTile [ceil(tiled / 8)][K / 256] (kquant_tiles.inc)
+    int64_t tiled = 0;        // rows of x the K-quant parts compute in tiles (the last may be partial; 0: none)
 };
 
 // ---- the dot products, compiled for each ISA (kquant_dots.inc) ------------------------------------
@@ -220,6 +220,7 @@ std::atomic<bool> use_vnni{true};  // false: the AVX2 build even where AVX-VNNI 
 // 0.85-1.02x at 16, 0.7x at 64).
 constexpr int64_t TILE_FROM_ROWS = 16;
 std::atomic<int64_t> tile_from{TILE_FROM_ROWS};  // set_tile_from (tests, benches); 0: never
+constexpr int64_t TILE_PARTIAL_ROWS = 5;  // 1.5B verify of 20 rows: 4 in a partial tile 1.03x slower, 21: 5 in one 0.95x
 
 std::string isa() { return use_vnni.load() && vnni_supported() ? "avxvnni" : "avx2"; }
 
@@ -275,8 +276,10 @@ void linear(uintptr_t x, int64_t M, int64_t K, const py::list& types, const py::
             const int64_t from = tile_from.load();
             if (job.vnni && from > 0 && M >= from && M >= isa_vnni::TILE) {
                 thread_local std::vector<isa_vnni::XTile> xt;
-                job.tiled = M / isa_vnni::TILE * isa_vnni::TILE;
-                xt.resize(static_cast<size_t>(job.tiled / isa_vnni::TILE * (K / QK_K)));
+                // Rows left over past the last full tile: a partial tile from TILE_PARTIAL_ROWS of them on,
+                // else row by row (a row costs about a quarter of a tile's instructions).
+                job.tiled = M % isa_vnni::TILE >= TILE_PARTIAL_ROWS ? M : M / isa_vnni::TILE * isa_vnni::TILE;
+                xt.resize(static_cast<size_t>((job.tiled + isa_vnni::TILE - 1) / isa_vnni::TILE * (K / QK_K)));
                 isa_vnni::make_tiles(xk.data(), job.tiled, K / QK_K, xt.data());
                 job.xt = xt.data();
             }
