@@ -25,7 +25,7 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-ENV = "THINKAHEAD_GGUF_HUGEPAGES"  # "0" (or false/no/off): keep GGUF weights in a memory map of the file
+ENV = "THINKAHEAD_GGUF_HUGEPAGES"  # "0" (or false/no/off): GGUF weights in 4 KiB pages
 _OFF = ("0", "false", "no", "off")
 HUGE_PAGE = 2 << 20
 _THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")

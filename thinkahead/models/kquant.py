@@ -2,12 +2,13 @@
 
 Why: a CPU decode step is bound by the bytes of weights it reads and the work of unpacking them. The
 packaged models are Q4_K_M files (about 4.8 bits per weight); dtype "int8" dequantizes them and
-stores 8 bits per weight again. Here the weights stay in the file's blocks (memory-mapped, never
-converted), and the native kernel (thinkahead/models/native/kquant_linear.cpp) multiplies them
+stores 8 bits per weight again. Here the weights stay in the file's blocks (never converted; a
+linear's Q4_K/Q6_K codes reordered, see Layout), and the native kernel (thinkahead/models/native/kquant_linear.cpp) multiplies them
 with each row of activations quantized to 8 bits per block, as llama.cpp does.
 
 Exactness: every row of the activations is quantized on its own and every output's block sums are
-accumulated in one fixed order whatever the number of rows, so verifying k drafted tokens computes
+accumulated in one fixed order whatever the number of rows or the path (row by row, or tiles of 8
+rows from 16 rows on), so verifying k drafted tokens computes
 exactly what decoding them one by one computes (tests/test_kquant.py); with float64 attention
 (exact_attention.py) speculative greedy output equals plain greedy output.
 
