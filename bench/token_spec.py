@@ -54,6 +54,7 @@ from thinkahead.evals.report import finish_plot  # noqa: E402
 from thinkahead.models.weights import DTYPES, load_causal_lm  # noqa: E402
 from thinkahead.token_spec.backends.hf import HFEngine  # noqa: E402
 from thinkahead.token_spec.decoder import SpeculativeDecoder  # noqa: E402
+from thinkahead.token_spec.names import MAX_DRAFT  # noqa: E402
 from thinkahead.token_spec.prefix_pool import KVPrefixPool  # noqa: E402
 from thinkahead.token_spec.presets import build_decoder  # noqa: E402
 
@@ -126,6 +127,7 @@ class Runner:
         stop_ids: list[int] | None = None,
         prefix_reuse: bool = True,
         attention: str = "sdpa",
+        max_draft: int = MAX_DRAFT,
     ) -> None:
         self.name = name
         self.target = target
@@ -143,7 +145,7 @@ class Runner:
                 kind,
                 engine,
                 draft_engine=HFEngine(draft) if kind in ("draft-model", "hybrid") else None,
-                max_draft=PROMPT_LOOKUP_TOKENS if kind == "prompt-lookup" else 16,  # as transformers' prompt lookup
+                max_draft=PROMPT_LOOKUP_TOKENS if kind == "prompt-lookup" else max_draft,  # as transformers' prompt lookup
                 prefix_pool=KVPrefixPool(engine) if prefix_reuse else None,
             )
 
@@ -355,6 +357,8 @@ def main() -> None:
     ap.add_argument("--items", type=int, default=None, help="items per workload (default: cot 2, refine 2, pipeline 5, code 2)")
     ap.add_argument("--out", default=str(RESULTS / "token_spec"))
     ap.add_argument("--reuse", default="", help="METHODS=FILE.json: take these methods' records from an earlier run")
+    ap.add_argument("--max-draft", type=int, default=MAX_DRAFT,
+                    help=f"draft tokens per verify round at most, ours except prompt-lookup (default {MAX_DRAFT}, the product's)")
     ap.add_argument("--no-prefix-reuse", action="store_true", help="ours prefill every prompt whole, as transformers does")
     args = ap.parse_args()
 
@@ -369,6 +373,8 @@ def main() -> None:
     if args.quick:
         sizes = {k: 1 for k in sizes}
         max_new = {k: 32 for k in max_new}
+    if args.max_draft < 1:
+        ap.error(f"--max-draft must be >= 1, got {args.max_draft}")
     if args.items is not None:
         if args.items < 1:
             ap.error(f"--items must be >= 1, got {args.items}")
@@ -392,7 +398,7 @@ def main() -> None:
         "command": "python bench/token_spec.py " + " ".join(sys.argv[1:]), "load_s": round(load_s, 1),
         "attention": {"transformers": "sdpa", "ours": loaded_attention},
         "llama_cpp_python": llama_version(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
-        "sizes": sizes, "max_new_tokens": max_new, "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "sizes": sizes, "max_new_tokens": max_new, "max_draft": args.max_draft, "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
     }
     records: list[dict] = []
     if args.reuse:
@@ -407,7 +413,7 @@ def main() -> None:
         print(msg, flush=True)
 
     runners = {m: LlamaRunner(m, args.target, tokenizer, stop_ids, threads=torch.get_num_threads()) if m in LLAMA_METHODS
-               else Runner(m, target, tokenizer, draft, stop_ids, prefix_reuse=not args.no_prefix_reuse,
+               else Runner(m, target, tokenizer, draft, stop_ids, prefix_reuse=not args.no_prefix_reuse, max_draft=args.max_draft,
                            attention=loaded_attention) for m in methods}
     # Conversation by conversation, every method in turn: a machine that slows down over a long run slows
     # every method alike (method by method, the first ones ran minutes before the last).
