@@ -1,4 +1,4 @@
-// Linears computed directly on a GGUF file's quantized blocks (Q4_K, Q6_K, Q5_0, Q8_0), AVX2, for
+// Linears computed directly on a GGUF file's quantized blocks (Q4_K, Q6_K, Q5_0, Q8_0), AVX2/AVX-VNNI, for
 // thinkahead/models/kquant.py: y = x @ W.T + b where W stays in the file's blocks (never converted;
 // Q4_K/Q6_K codes permuted once at load into the kernel's layout: kquant_layout.inc) and every row of
 // x is quantized to 8 bits per block, as llama.cpp does it.
@@ -15,7 +15,7 @@
 //   integers (the scaled dot product, the mins term) meet the float scales in one fixed formula and
 //   order (kquant_dots.inc's epilogue), whichever path computed them: row by row (kquant_dots.inc),
 //   several rows per vector (the same), or tiles of 8 rows in the vector lanes (kquant_tiles.inc, from
-//   8 rows of x on, AVX-VNNI). Q5_0/Q8_0: one fixed order of vector lanes per (row, output). Either way
+//   16 rows of x on, AVX-VNNI). Q5_0/Q8_0: one fixed order of vector lanes per (row, output). Either way
 //   the result is bit-identical row by row, whatever M, the path or the thread.
 // - No fused contraction beyond the explicit fmadd (compiled with -ffp-contract=off).
 //
