@@ -17,9 +17,11 @@ bytes per block, its codes permuted so that one multiply-add per 32 values leave
 sum in its own vector lane: native/kquant_layout.inc); `kernel_layout` does it, in place where the
 caller owns the bytes. Embedding tables keep the file's layout.
 
-ISA: the dot products are compiled twice (native/kquant_dots.inc), for AVX2 and for AVX-VNNI, whose
-multiply-add instructions give the same integers in the same lanes: the same bits either way
-(`set_isa` in tests); AVX-VNNI is used where the CPU has it (1.1-1.4x fewer cycles per layer).
+ISA: the dot products are compiled three times (native/kquant_dots.inc): AVX2, AVX-VNNI and AVX-512 VNNI
+(256-bit vectors with EVEX's 32 registers: tiles of 8 weight rows instead of 4), whose multiply-adds give
+the same integers in the same lanes: the same bits either way (`set_isa`, `isas` in tests). The best the
+CPU has runs; tiles need one of the VNNI builds (AVX-512 VNNI alone, as on Ice Lake and Cascade Lake
+servers, is enough).
 
 Block types: Q4_K and Q6_K (256 values per block; Q4_K_M files), Q5_0 and Q8_0 (32 values; the
 0.5B's Q4_K_M file uses them where rows are not a multiple of 256). Any other type is refused by

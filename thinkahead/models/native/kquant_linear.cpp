@@ -137,6 +137,9 @@ struct Part {
     int64_t offset;     // first output column
 };
 
+enum Isa : int { AVX2 = 0, AVX_VNNI = 1, AVX512_VNNI = 2 };  // builds of the dot products, by preference
+const char* const ISA_NAMES[] = {"avx2", "avxvnni", "avx512vnni"};
+
 struct Job {
     std::vector<Part> parts;
     std::vector<int64_t> chunk_part, chunk_first, chunk_last;
@@ -144,8 +147,8 @@ struct Job {
     const Q8K* xk = nullptr;  // [M, K / 256], where some part needs it
     const Q8B* xb = nullptr;  // [M, K / 32], where some part needs it
     float* out = nullptr;     // [M, N]
-    bool vnni = false;        // the AVX-VNNI build of the dot products (the same results, fewer instructions)
-    const void* xt = nullptr; // x's first `tiled` rows as isa_vnni::XTile [ceil(tiled / 8)][K / 256] (kquant_tiles.inc)
+    int isa = AVX2;           // which build of the dot products runs (the same results; fewer instructions)
+    const void* xt = nullptr; // x's first `tiled` rows as that build's XTile [ceil(tiled / 8)][K / 256] (kquant_tiles.inc)
     int64_t tiled = 0;        // rows of x the K-quant parts compute in tiles (the last may be partial; 0: none)
 };
 
@@ -166,9 +169,32 @@ namespace isa_vnni {
 #define KQ_VNNI 1
 #include "kquant_dots.inc"
 #include "kquant_tiles.inc"
+#undef KQ_DPBUSD
+#undef KQ_DPWSSD
 #undef KQ_VNNI
 #pragma GCC pop_options
 }  // namespace isa_vnni
+
+namespace isa_avx512 {  // 256-bit vectors (512-bit multiplies issue on one port here), EVEX's 32 registers
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")
+#define KQ_VNNI 2
+#include "kquant_dots.inc"
+#include "kquant_tiles.inc"
+#undef KQ_DPBUSD
+#undef KQ_DPWSSD
+#undef KQ_VNNI
+#pragma GCC pop_options
+}  // namespace isa_avx512
+
+template <int MR>
+void dot_rows(const Part& part, const uint8_t* w, const Job& job, int64_t m, float* res) {
+    switch (job.isa) {
+        case AVX512_VNNI: isa_avx512::dot_rows<MR>(part, w, job, m, res); break;
+        case AVX_VNNI: isa_vnni::dot_rows<MR>(part, w, job, m, res); break;
+        default: isa_avx2::dot_rows<MR>(part, w, job, m, res); break;
+    }
+}
 
 void run_chunk(const void* ctx, int64_t chunk) {
     const Job& job = *static_cast<const Job*>(ctx);
@@ -178,8 +204,14 @@ void run_chunk(const void* ctx, int64_t chunk) {
     const bool kquant = part.type == Q4_K || part.type == Q6_K;
     const int64_t m_first = kquant ? job.tiled : 0;  // rows before it: in tiles
     if (kquant && job.tiled > 0) {
-        if (part.type == Q4_K) isa_vnni::tiled_rows<Q4_K>(part, job, job.chunk_first[chunk], last, row_bytes);
-        else isa_vnni::tiled_rows<Q6_K>(part, job, job.chunk_first[chunk], last, row_bytes);
+        const int64_t first = job.chunk_first[chunk];
+        if (job.isa == AVX512_VNNI) {
+            if (part.type == Q4_K) isa_avx512::tiled_rows<Q4_K>(part, job, first, last, row_bytes);
+            else isa_avx512::tiled_rows<Q6_K>(part, job, first, last, row_bytes);
+        } else {
+            if (part.type == Q4_K) isa_vnni::tiled_rows<Q4_K>(part, job, first, last, row_bytes);
+            else isa_vnni::tiled_rows<Q6_K>(part, job, first, last, row_bytes);
+        }
         if (m_first == job.M) return;
     }
     for (int64_t n = job.chunk_first[chunk]; n < last; ++n) {
@@ -195,10 +227,10 @@ void run_chunk(const void* ctx, int64_t chunk) {
         for (int64_t m = m_first; m < job.M; m += MAX_MR) {
             const int64_t rows = std::min<int64_t>(MAX_MR, job.M - m);
             switch (rows) {
-                case 4: job.vnni ? isa_vnni::dot_rows<4>(part, w, job, m, res) : isa_avx2::dot_rows<4>(part, w, job, m, res); break;
-                case 3: job.vnni ? isa_vnni::dot_rows<3>(part, w, job, m, res) : isa_avx2::dot_rows<3>(part, w, job, m, res); break;
-                case 2: job.vnni ? isa_vnni::dot_rows<2>(part, w, job, m, res) : isa_avx2::dot_rows<2>(part, w, job, m, res); break;
-                default: job.vnni ? isa_vnni::dot_rows<1>(part, w, job, m, res) : isa_avx2::dot_rows<1>(part, w, job, m, res); break;
+                case 4: dot_rows<4>(part, w, job, m, res); break;
+                case 3: dot_rows<3>(part, w, job, m, res); break;
+                case 2: dot_rows<2>(part, w, job, m, res); break;
+                default: dot_rows<1>(part, w, job, m, res); break;
             }
             for (int64_t r = 0; r < rows; ++r) {
                 float y = res[r];
@@ -209,12 +241,21 @@ void run_chunk(const void* ctx, int64_t chunk) {
     }
 }
 
-bool vnni_supported() {
+bool isa_supported(int which) {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avxvnni");
+    if (which == AVX512_VNNI)
+        return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+               __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
+    return which == AVX2 || (which == AVX_VNNI && __builtin_cpu_supports("avxvnni"));
 }
 
-std::atomic<bool> use_vnni{true};  // false: the AVX2 build even where AVX-VNNI exists (set_isa, for tests)
+int best_isa() {
+    for (int which = AVX512_VNNI; which > AVX2; --which)
+        if (isa_supported(which)) return which;
+    return AVX2;
+}
+
+std::atomic<int> chosen_isa{-1};  // -1: the best this CPU runs; set_isa (tests, benches)
 // Rows of x from which the K-quant parts run in tiles of 8 (AVX-VNNI; the same bits as row by row). Below
 // 16 rows the row-by-row path is as fast or faster (1.5B layers: tiles 1.0-1.3x its time at 8-12 rows,
 // 0.85-1.02x at 16, 0.7x at 64).
@@ -222,12 +263,21 @@ constexpr int64_t TILE_FROM_ROWS = 16;
 std::atomic<int64_t> tile_from{TILE_FROM_ROWS};  // set_tile_from (tests, benches); 0: never
 constexpr int64_t TILE_PARTIAL_ROWS = 5;  // 1.5B verify of 20 rows: 4 in a partial tile 1.03x slower, 21: 5 in one 0.95x
 
-std::string isa() { return use_vnni.load() && vnni_supported() ? "avxvnni" : "avx2"; }
+int current_isa() {
+    const int which = chosen_isa.load();
+    return which < 0 ? best_isa() : which;
+}
+
+std::string isa() { return ISA_NAMES[current_isa()]; }
 
 void set_isa(const std::string& name) {
-    if (name != "avx2" && name != "avxvnni") throw std::invalid_argument("isa: avx2 or avxvnni");
-    if (name == "avxvnni" && !vnni_supported()) throw std::invalid_argument("isa: this CPU lacks AVX-VNNI");
-    use_vnni.store(name == "avxvnni");
+    for (int which = AVX2; which <= AVX512_VNNI; ++which) {
+        if (name != ISA_NAMES[which]) continue;
+        if (!isa_supported(which)) throw std::invalid_argument("isa: this CPU lacks " + name);
+        chosen_isa.store(which);
+        return;
+    }
+    throw std::invalid_argument("isa: avx2, avxvnni or avx512vnni");
 }
 
 // out[M, N] = x[M, K] @ W.T (+ bias) for a linear stored in parts: part p holds output columns
@@ -240,7 +290,7 @@ void linear(uintptr_t x, int64_t M, int64_t K, const py::list& types, const py::
         throw std::invalid_argument("kquant linear: bad shape or part lists");
     if (!thinkahead_native::avx2_fma_supported()) throw std::runtime_error("kquant linear: this CPU lacks AVX2/FMA");
     Job job;
-    job.vnni = use_vnni.load() && vnni_supported();
+    job.isa = current_isa();
     job.M = M;
     job.K = K;
     bool need_k = false, need_b = false;
@@ -274,14 +324,22 @@ void linear(uintptr_t x, int64_t M, int64_t K, const py::list& types, const py::
             for (int64_t m = 0; m < M; ++m) quantize_q8k(xf + m * K, K, xk.data() + m * (K / QK_K));
             job.xk = xk.data();
             const int64_t from = tile_from.load();
-            if (job.vnni && from > 0 && M >= from && M >= isa_vnni::TILE) {
-                thread_local std::vector<isa_vnni::XTile> xt;
+            if (job.isa != AVX2 && from > 0 && M >= from && M >= isa_vnni::TILE) {
                 // Rows left over past the last full tile: a partial tile from TILE_PARTIAL_ROWS of them on,
                 // else row by row (a row costs about a quarter of a tile's instructions).
                 job.tiled = M % isa_vnni::TILE >= TILE_PARTIAL_ROWS ? M : M / isa_vnni::TILE * isa_vnni::TILE;
-                xt.resize(static_cast<size_t>((job.tiled + isa_vnni::TILE - 1) / isa_vnni::TILE * (K / QK_K)));
-                isa_vnni::make_tiles(xk.data(), job.tiled, K / QK_K, xt.data());
-                job.xt = xt.data();
+                const size_t count = static_cast<size_t>((job.tiled + isa_vnni::TILE - 1) / isa_vnni::TILE * (K / QK_K));
+                if (job.isa == AVX512_VNNI) {
+                    thread_local std::vector<isa_avx512::XTile> xt;
+                    xt.resize(count);
+                    isa_avx512::make_tiles(xk.data(), job.tiled, K / QK_K, xt.data());
+                    job.xt = xt.data();
+                } else {
+                    thread_local std::vector<isa_vnni::XTile> xt;
+                    xt.resize(count);
+                    isa_vnni::make_tiles(xk.data(), job.tiled, K / QK_K, xt.data());
+                    job.xt = xt.data();
+                }
             }
         }
         if (need_b) {
@@ -334,7 +392,13 @@ PYBIND11_MODULE(_kquant_native, m) {
         if (rows < 0) throw std::invalid_argument("set_tile_from: rows >= 0 (0: never)");
         tile_from.store(rows);
     }, py::arg("rows"), "rows of x from which K-quant parts run in tiles of 8 (the same results; for tests and benches)");
-    m.def("isa", &isa, "which build of the dot products runs: avxvnni where the CPU has it, else avx2");
-    m.def("set_isa", &set_isa, py::arg("name"), "avx2 or avxvnni (the same results; for tests and benches)");
+    m.def("isa", &isa, "which build of the dot products runs: the best of avx512vnni, avxvnni, avx2 the CPU has");
+    m.def("set_isa", &set_isa, py::arg("name"), "avx2, avxvnni or avx512vnni (the same results; for tests and benches)");
+    m.def("isas", [] {
+        py::list names;
+        for (int which = AVX2; which <= AVX512_VNNI; ++which)
+            if (isa_supported(which)) names.append(ISA_NAMES[which]);
+        return names;
+    }, "the builds of the dot products this CPU runs");
     m.def("set_threading", &thinkahead_native::set_threading, py::arg("mode"));
 }
