@@ -148,7 +148,7 @@ struct Job {
     const Q8B* xb = nullptr;  // [M, K / 32], where some part needs it
     float* out = nullptr;     // [M, N]
     int isa = AVX2;           // which build of the dot products runs (the same results; fewer instructions)
-    const void* xt = nullptr; // x's first `tiled` rows as that build's XTile [ceil(tiled / 8)][K / 256] (kquant_tiles.inc)
+    const XTile* xt = nullptr;  // x's first `tiled` rows in tiles [ceil(tiled / 8)][K / 256] (kquant_layout.inc)
     int64_t tiled = 0;        // rows of x the K-quant parts compute in tiles (the last may be partial; 0: none)
 };
 
@@ -196,6 +196,12 @@ void dot_rows(const Part& part, const uint8_t* w, const Job& job, int64_t m, flo
     }
 }
 
+template <int TYPE>
+void tiled_rows(const Part& part, const Job& job, int64_t first, int64_t last, int64_t row_bytes) {
+    if (job.isa == AVX512_VNNI) isa_avx512::tiled_rows<TYPE>(part, job, first, last, row_bytes);
+    else isa_vnni::tiled_rows<TYPE>(part, job, first, last, row_bytes);
+}
+
 void run_chunk(const void* ctx, int64_t chunk) {
     const Job& job = *static_cast<const Job*>(ctx);
     const Part& part = job.parts[static_cast<size_t>(job.chunk_part[chunk])];
@@ -204,14 +210,8 @@ void run_chunk(const void* ctx, int64_t chunk) {
     const bool kquant = part.type == Q4_K || part.type == Q6_K;
     const int64_t m_first = kquant ? job.tiled : 0;  // rows before it: in tiles
     if (kquant && job.tiled > 0) {
-        const int64_t first = job.chunk_first[chunk];
-        if (job.isa == AVX512_VNNI) {
-            if (part.type == Q4_K) isa_avx512::tiled_rows<Q4_K>(part, job, first, last, row_bytes);
-            else isa_avx512::tiled_rows<Q6_K>(part, job, first, last, row_bytes);
-        } else {
-            if (part.type == Q4_K) isa_vnni::tiled_rows<Q4_K>(part, job, first, last, row_bytes);
-            else isa_vnni::tiled_rows<Q6_K>(part, job, first, last, row_bytes);
-        }
+        if (part.type == Q4_K) tiled_rows<Q4_K>(part, job, job.chunk_first[chunk], last, row_bytes);
+        else tiled_rows<Q6_K>(part, job, job.chunk_first[chunk], last, row_bytes);
         if (m_first == job.M) return;
     }
     for (int64_t n = job.chunk_first[chunk]; n < last; ++n) {
@@ -324,22 +324,14 @@ void linear(uintptr_t x, int64_t M, int64_t K, const py::list& types, const py::
             for (int64_t m = 0; m < M; ++m) quantize_q8k(xf + m * K, K, xk.data() + m * (K / QK_K));
             job.xk = xk.data();
             const int64_t from = tile_from.load();
-            if (job.isa != AVX2 && from > 0 && M >= from && M >= isa_vnni::TILE) {
+            if (job.isa != AVX2 && from > 0 && M >= from && M >= TILE) {
                 // Rows left over past the last full tile: a partial tile from TILE_PARTIAL_ROWS of them on,
                 // else row by row (a row costs about a quarter of a tile's instructions).
-                job.tiled = M % isa_vnni::TILE >= TILE_PARTIAL_ROWS ? M : M / isa_vnni::TILE * isa_vnni::TILE;
-                const size_t count = static_cast<size_t>((job.tiled + isa_vnni::TILE - 1) / isa_vnni::TILE * (K / QK_K));
-                if (job.isa == AVX512_VNNI) {
-                    thread_local std::vector<isa_avx512::XTile> xt;
-                    xt.resize(count);
-                    isa_avx512::make_tiles(xk.data(), job.tiled, K / QK_K, xt.data());
-                    job.xt = xt.data();
-                } else {
-                    thread_local std::vector<isa_vnni::XTile> xt;
-                    xt.resize(count);
-                    isa_vnni::make_tiles(xk.data(), job.tiled, K / QK_K, xt.data());
-                    job.xt = xt.data();
-                }
+                job.tiled = M % TILE >= TILE_PARTIAL_ROWS ? M : M / TILE * TILE;
+                thread_local std::vector<XTile> xt;
+                xt.resize(static_cast<size_t>((job.tiled + TILE - 1) / TILE * (K / QK_K)));
+                make_tiles(xk.data(), job.tiled, K / QK_K, xt.data());
+                job.xt = xt.data();
             }
         }
         if (need_b) {
