@@ -164,16 +164,16 @@ class _Tensors:
     the kernel offers them (huge_pages.py: the kernels stream them ~14% faster). The linears' tensors
     are rewritten there into the kernel's layout, each once (`linear`)."""
 
-    def __init__(self, index: GGUFIndex, embedding: str):
+    def __init__(self, index: GGUFIndex):
         self.index = index
-        self.embedding = embedding  # read in the file's layout: a linear over it gets its own copy
         self.data = huge_pages.read(index.path, huge=huge_pages.available())
         self._rewritten: dict[str, QuantTensor] = {}
 
     def linear(self, name: str) -> QuantTensor:
-        """Tensor `name` in the kernel's layout (rewritten in place, once; a copy for the embedding)."""
+        """Tensor `name` in the kernel's layout (rewritten in place, once; a copy for the embedding table,
+        which the embedding reads in the file's layout)."""
         if name not in self._rewritten:
-            self._rewritten[name] = kernel_layout(self.quant(name), in_place=name != self.embedding)
+            self._rewritten[name] = kernel_layout(self.quant(name), in_place=name != _EMBEDDING)
         return self._rewritten[name]
 
     def has(self, name: str) -> bool:
@@ -238,7 +238,7 @@ def build_model(gguf_path: str | Path, config: Any) -> Any:
 
     index = read_index(gguf_path)
     _check_architecture(index.path, config, index.architecture)
-    tensors = _Tensors(index, embedding=_EMBEDDING)
+    tensors = _Tensors(index)
     config.tie_word_embeddings = False  # the lm_head gets its own module below
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -3,13 +3,14 @@
 Why: a CPU decode step is bound by the bytes of weights it reads and the work of unpacking them. The
 packaged models are Q4_K_M files (about 4.8 bits per weight); dtype "int8" dequantizes them and
 stores 8 bits per weight again. Here the weights stay in the file's blocks (never converted; a
-linear's Q4_K/Q6_K codes reordered, see Layout), and the native kernel (thinkahead/models/native/kquant_linear.cpp) multiplies them
-with each row of activations quantized to 8 bits per block, as llama.cpp does.
+linear's Q4_K/Q6_K codes reordered, see Layout), and the native kernel
+(thinkahead/models/native/kquant_linear.cpp) multiplies them with each row of activations quantized
+to 8 bits per block, as llama.cpp does.
 
 Exactness: every row of the activations is quantized on its own and every output's block sums are
 accumulated in one fixed order whatever the number of rows or the path (row by row, or tiles of 8
-rows from 16 rows on), so verifying k drafted tokens computes
-exactly what decoding them one by one computes (tests/test_kquant.py); with float64 attention
+rows from 16 rows on), so verifying k drafted tokens computes exactly what decoding them one by one
+computes (tests/test_kquant.py); with float64 attention
 (exact_attention.py) speculative greedy output equals plain greedy output.
 
 Layout: a Q4_K/Q6_K linear's blocks are rewritten once, at load, into the kernel's layout (the same
@@ -108,7 +109,7 @@ def kernel_layout(tensor: QuantTensor, in_place: bool = False) -> QuantTensor:
     blocks = tensor.blocks if in_place else torch.empty_like(tensor.blocks)
     nbytes = BLOCK_GEOMETRY[tensor.type][1]
     kernel().repack(tensor.type, tensor.blocks.data_ptr(), blocks.data_ptr(), tensor.blocks.numel() // nbytes)
-    return QuantTensor(tensor.name, tensor.type, tensor.rows, tensor.cols, blocks, KERNEL_LAYOUT)
+    return replace(tensor, blocks=blocks, layout=KERNEL_LAYOUT)
 
 
 def blocks_view(data: np.ndarray) -> torch.Tensor:
