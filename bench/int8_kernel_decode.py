@@ -113,7 +113,7 @@ def main() -> None:
                for name in kernels}
     meta = {"command": "python bench/int8_kernel_decode.py " + " ".join(sys.argv[1:]), "model": args.model,
             "cpu_flags": cpu_flags(), "threads": torch.get_num_threads(),
-            "native_threading": int8_kernel._load().threading(), "torch": torch.__version__,
+            "native_threading": int8_kernel.EXTENSION.load().threading(), "torch": torch.__version__,
             "prompt_tokens": int(ids.shape[1]), "steps": args.steps, "logits_bit_identical": identical,
             "load_average_before": [round(v, 2) for v in load_before],
             "load_average_after": [round(v, 2) for v in os.getloadavg()]}

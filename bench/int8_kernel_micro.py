@@ -124,7 +124,7 @@ def main() -> None:
                 print(json.dumps(row), flush=True)
     meta = {"command": "python bench/int8_kernel_micro.py " + " ".join(sys.argv[1:]),
             "cpu": platform.processor() or platform.machine(), "cpu_flags": cpu_flags(),
-            "threads": torch.get_num_threads(), "native_threading": int8_kernel._load().threading(),
+            "threads": torch.get_num_threads(), "native_threading": int8_kernel.EXTENSION.load().threading(),
             "torch": torch.__version__, "repeats": args.repeats,
             "load_average_before": [round(v, 2) for v in load_before],
             "load_average_after": [round(v, 2) for v in os.getloadavg()]}

@@ -89,7 +89,7 @@ def test_same_bits_with_any_thread_count_and_thread_source(monkeypatch) -> None:
     torch.manual_seed(3)
     _, native = _layers(torch.nn.Linear(300, 2000), monkeypatch)  # enough output blocks for several chunks
     x = _inputs(11, 300)
-    module = int8_kernel._load()
+    module = int8_kernel.EXTENSION.load()
     threads = torch.get_num_threads()
     outputs = []
     try:

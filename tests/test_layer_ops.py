@@ -140,6 +140,8 @@ def test_without_the_extension_the_fused_model_keeps_transformers_numbers(monkey
     ids = torch.tensor([[3, 4, 5, 6, 7]])
     with torch.inference_mode():
         assert torch.equal(model(ids).logits, unfused(ids).logits)
+    with pytest.raises(ValueError, match=r"the native layer ops cannot run here: not built \(test\)"):
+        layer_ops.rms_norm(model.model.norm, torch.randn(2, model.config.hidden_size))
 
 
 def test_a_direct_call_makes_and_returns_a_cache_as_transformers_does() -> None:

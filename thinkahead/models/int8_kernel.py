@@ -34,13 +34,9 @@ EXTENSION = LazyExtension("_int8_native", "AVX2/FMA")
 _warned = False
 
 
-def _load() -> ModuleType | None:
-    return EXTENSION.load()
-
-
 def native_available() -> bool:
     """Whether the native kernel can run here (extension built, CPU with AVX2 and FMA)."""
-    return _load() is not None
+    return EXTENSION.load() is not None
 
 
 def kernel_choice() -> str:
@@ -82,10 +78,7 @@ def _round_up(n: int, multiple: int) -> int:
 
 
 def _module() -> ModuleType:
-    mod = _load()
-    if mod is None:
-        raise ValueError(f"the native int8 kernel cannot run here: {EXTENSION.error}")
-    return mod
+    return EXTENSION.require("the native int8 kernel")
 
 
 def pack(qweight: torch.Tensor, w_scales: torch.Tensor, x_scale: float, x_zero_point: int) -> Int8Weights:

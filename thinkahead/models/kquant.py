@@ -52,20 +52,13 @@ BLOCK_GEOMETRY: dict[int, tuple[int, int]] = {int(t): GGML_QUANT_SIZES[t] for t 
 EXTENSION = LazyExtension("_kquant_native", "AVX2, FMA or F16C")
 
 
-def _load() -> ModuleType | None:
-    return EXTENSION.load()
-
-
 def unavailable_reason() -> str | None:
     """Why dtype "gguf" cannot run here (None: it can)."""
-    return None if _load() is not None else EXTENSION.error
+    return None if EXTENSION.load() is not None else EXTENSION.error
 
 
 def kernel() -> ModuleType:
-    mod = _load()
-    if mod is None:
-        raise ValueError(f"dtype 'gguf' cannot run here: {EXTENSION.error}; use dtype 'int8'")
-    return mod
+    return EXTENSION.require("dtype 'gguf'", "; use dtype 'int8'")
 
 
 FILE_LAYOUT, KERNEL_LAYOUT = "file", "kernel"  # QuantTensor.layout: the GGUF file's block layout, or the kernel's

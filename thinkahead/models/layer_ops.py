@@ -28,12 +28,8 @@ from thinkahead.models.native_extension import LazyExtension
 EXTENSION = LazyExtension("_layer_native", "nothing (plain C++)")
 
 
-def _load() -> ModuleType | None:
-    return EXTENSION.load()
-
-
 def available() -> bool:
-    return _load() is not None
+    return EXTENSION.load() is not None
 
 
 def _fits(weight: torch.Tensor, dim: int) -> bool:
@@ -55,9 +51,7 @@ def _norm(native: ModuleType, norm: Any, rows: torch.Tensor) -> torch.Tensor:
 
 def rms_norm(norm: Any, hidden: torch.Tensor) -> torch.Tensor:
     """The native RMS norm of `hidden` `[..., H]` (float32, CPU), every row on its own."""
-    native = _load()
-    if native is None:
-        raise ValueError(f"the native layer ops cannot run here: {EXTENSION.error}")
+    native = EXTENSION.require("the native layer ops")
     return _norm(native, norm, hidden.reshape(-1, hidden.shape[-1]).contiguous()).reshape(hidden.shape)
 
 
@@ -79,9 +73,7 @@ def run(inner: Any, hidden: torch.Tensor, position_embeddings: tuple[torch.Tenso
     `[1, T, H]` float32: `mask` None (a chain after the cached prefix) or additive `[1, 1, T, S]`; the
     cache (or None) receives each layer's keys/values (float64 where `keeps_float64_kv`). Returns the
     normed hidden `[1, T, H]`."""
-    native = _load()
-    if native is None:
-        raise ValueError("the native layer ops are not built")
+    native = EXTENSION.require("the native layer ops")
     if hidden.dim() != 3 or hidden.shape[0] != 1 or hidden.dtype != torch.float32:
         raise ValueError(f"native layers take one float32 sequence [1, T, H], got {tuple(hidden.shape)} {hidden.dtype}")
     T, H = hidden.shape[1], hidden.shape[2]

@@ -39,3 +39,10 @@ class LazyExtension:
                 else:
                     self.error = f"this CPU lacks {self.requirement}"
         return self.module
+
+    def require(self, what: str, advice: str = "") -> ModuleType:
+        """The module, or a ValueError saying that `what` cannot run here, why, then `advice`."""
+        module = self.load()
+        if module is None:
+            raise ValueError(f"{what} cannot run here: {self.error}{advice}")
+        return module
