@@ -21,6 +21,25 @@ from setuptools import setup
 # rounds, the Python module.
 NATIVE_SOURCES = ("tree", "eviction", "drafting", "combined", "replay", "bindings")
 
+NATIVE_MODELS = "thinkahead/models/native"
+
+
+def models_extension(name: str, source: str, *headers: str) -> Pybind11Extension:
+    """A kernel of thinkahead.models: its threads come from parallel.hpp (which dlopens torch's libgomp:
+    libc has dlopen from glibc 2.34, older ones need libdl). Every multiply and add rounds on its own (no
+    contraction to FMA beyond a kernel's explicit ones): rows must not depend on the batch, and the int8
+    linear must give fbgemm's bits."""
+    return Pybind11Extension(
+        f"thinkahead.models.{name}",
+        [f"{NATIVE_MODELS}/{source}"],
+        depends=[f"{NATIVE_MODELS}/{h}" for h in ("parallel.hpp", *headers)],
+        cxx_std=17,
+        extra_compile_args=["-O3", "-ffp-contract=off"],
+        libraries=["dl"],
+        optional=True,
+    )
+
+
 setup(
     ext_modules=[
         Pybind11Extension(
@@ -33,36 +52,8 @@ setup(
             extra_compile_args=["-O3", "-ffp-contract=off"],
             optional=True,
         ),
-        Pybind11Extension(
-            "thinkahead.models._int8_native",
-            ["thinkahead/models/native/int8_linear.cpp"],
-            depends=["thinkahead/models/native/parallel.hpp"],
-            cxx_std=17,
-            # Bit-identical to fbgemm: every multiply and add rounds on its own (no contraction to FMA).
-            extra_compile_args=["-O3", "-ffp-contract=off"],
-            libraries=["dl"],  # dlopen of torch's libgomp (libc has it from glibc 2.34, older ones need libdl)
-            optional=True,
-        ),
-        Pybind11Extension(
-            "thinkahead.models._layer_native",
-            ["thinkahead/models/native/layer_ops.cpp"],
-            depends=["thinkahead/models/native/parallel.hpp"],
-            cxx_std=17,
-            # Rows must not depend on the batch: every sum in one fixed order, no contraction to FMA.
-            extra_compile_args=["-O3", "-ffp-contract=off"],
-            libraries=["dl"],
-            optional=True,
-        ),
-        Pybind11Extension(
-            "thinkahead.models._kquant_native",
-            ["thinkahead/models/native/kquant_linear.cpp"],
-            depends=["thinkahead/models/native/parallel.hpp", "thinkahead/models/native/kquant_dots.inc",
-                     "thinkahead/models/native/kquant_layout.inc", "thinkahead/models/native/kquant_tiles.inc"],
-            cxx_std=17,
-            # Rows must not depend on the batch: the only contractions are the kernel's explicit FMAs.
-            extra_compile_args=["-O3", "-ffp-contract=off"],
-            libraries=["dl"],
-            optional=True,
-        ),
+        models_extension("_int8_native", "int8_linear.cpp"),
+        models_extension("_layer_native", "layer_ops.cpp"),
+        models_extension("_kquant_native", "kquant_linear.cpp", "kquant_dots.inc", "kquant_layout.inc", "kquant_tiles.inc"),
     ],
 )
