@@ -6,8 +6,8 @@ Methods (all greedy, same prompts, same stop tokens, same max_new_tokens):
   hf-assisted          `generate(assistant_model=small)`
   suffix               ours: SuffixDecoding (per-request + global suffix trees)
   prompt-lookup        ours: n-gram lookup in the context
-  draft-model          ours: the small model drafts 4 tokens a round
-  hybrid               ours: suffix when its draft scores >= 2, else the small model
+  draft-model          ours: the small model drafts up to 8 tokens a round, while it is sure
+  hybrid               ours: the combined draft when it scores >= 2, else the small model's
   combined             ours: recent context copies + local and global suffix trees in one tree draft
   ours-plain           ours without speculation (one token per forward; its output is the reference
                        our speculative methods must equal)

@@ -138,9 +138,11 @@ def test_chi_square_detects_a_biased_sampler() -> None:
     assert chi2_pvalue(counts, exact_pair_probs(first, second, params), n) < P_MIN
 
 
-@pytest.mark.slow  # ~10 s: keeps `-m "not slow"` under 3 minutes; CI runs it
-def test_decoder_sampling_end_to_end_matches_model() -> None:
-    """The whole loop (draft model with q, KV rollback) samples the tiny model's own distribution."""
+@pytest.mark.slow  # ~10 s each: keeps `-m "not slow"` under 3 minutes; CI runs it
+@pytest.mark.parametrize("draft_vocab", [None, 5])
+def test_decoder_sampling_end_to_end_matches_model(draft_vocab) -> None:
+    """The whole loop (draft model with q, KV rollback) samples the tiny model's own distribution; also
+    when the draft model's output layer keeps ids 0-4 and the prompt's (token 6 is never drafted)."""
     vocab = 8
     cfg = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_attention_heads=4,
                num_key_value_heads=2, num_hidden_layers=2, initializer_range=0.3, pad_token_id=0)
@@ -149,7 +151,7 @@ def test_decoder_sampling_end_to_end_matches_model() -> None:
     torch.manual_seed(1)
     small = LlamaForCausalLM(LlamaConfig(**cfg)).eval()
     engine = HFEngine(target)
-    decoder = SpeculativeDecoder(engine, DraftModelDrafter(HFEngine(small), seed=3), FixedController(3))
+    decoder = SpeculativeDecoder(engine, DraftModelDrafter(HFEngine(small), seed=3, vocab=draft_vocab), FixedController(3))
     prompt = [1, 5, 2, 7]
     params = SamplingParams(temperature=1.0)
     exact = {}

@@ -20,17 +20,14 @@ previous turn's index instead of rebuilding it over the whole prompt.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any, Hashable, Protocol, Sequence, runtime_checkable
+from typing import Any, Hashable, Protocol, Sequence, runtime_checkable
 import array
 
 from thinkahead.token_spec import suffix_impl
 from thinkahead.token_spec.draft import Draft
-from thinkahead.token_spec.names import common_prefix_len
 from thinkahead.token_spec.suffix_cache import SuffixCache, prompt_extension
-from thinkahead.token_spec.verify import SamplingParams, target_probs
+from thinkahead.token_spec.verify import SamplingParams
 
-if TYPE_CHECKING:  # only DraftModelDrafter handles tensors: imported there
-    import torch
 
 
 @runtime_checkable
@@ -242,126 +239,6 @@ class PromptLookupDrafter:
             self._session_tokens -= len(saved[0])
 
 
-class DraftModelDrafter:
-    """A small model with the target's tokenizer drafts a chain autoregressively.
-
-    Greedy requests get the draft model's argmax tokens (deterministic, verified
-    as point masses). Sampling requests get tokens sampled from the draft model's
-    own distribution q, which travels with the draft so the verifier can accept
-    with min(1, p/q).
-    """
-
-    model_free = False
-
-    def __init__(self, engine, seed: int = 0) -> None:  # engine: an Engine (e.g. HFEngine)
-        self.engine = engine
-        self.name = "draft-model"
-        self._sessions: dict[Hashable, object] = {}
-        self._fed: dict[Hashable, list[int]] = {}  # tokens whose K/V are in the draft session
-        self._params: dict[Hashable, SamplingParams] = {}
-        import torch
-
-        self._generator = torch.Generator().manual_seed(seed)
-
-    def start(
-        self, rid: Hashable, prompt_ids: Sequence[int], params: SamplingParams, session_id: Hashable | None = None
-    ) -> None:
-        # Sessions change nothing here: the draft model's KV is rebuilt per request.
-        self._sessions[rid] = self.engine.new_session()
-        self._fed[rid] = []
-        self._params[rid] = params
-
-    def propose(self, rid: Hashable, context: Sequence[int], budget: int) -> Draft:
-        import torch
-
-        session = self._sessions.get(rid)
-        if session is None:
-            raise ValueError(f"request {rid!r} was not started")
-        if budget <= 0 or not context:
-            return Draft(source=self.name)
-        fed = self._fed[rid]
-        keep = common_prefix_len(fed, context, limit=len(context) - 1)
-        self.engine.truncate(session, keep)
-        del fed[keep:]
-        logits = self.engine.forward(session, list(context[keep:]), last_only=True)
-        fed.extend(context[keep:])
-        params = self._params[rid]
-        tokens: list[int] = []
-        q_rows: list[torch.Tensor] = []
-        probs: list[float] = []
-        for step in range(budget):
-            if step:
-                logits = self.engine.forward(session, [tokens[-1]])
-                fed.append(tokens[-1])
-            if params.greedy:
-                dist = torch.softmax(logits[-1].float(), dim=-1)
-                token = int(dist.argmax())
-            else:
-                dist = target_probs(logits[-1:], params)[0]
-                token = int(torch.multinomial(dist, 1, generator=self._generator))
-                q_rows.append(dist)
-            tokens.append(token)
-            probs.append(float(dist[token]))
-        q = torch.stack(q_rows) if q_rows else None
-        return Draft.chain(tokens, probs, source=self.name, q=q)
-
-    def observe(self, rid: Hashable, accepted: Sequence[int], proposed: Draft) -> None:
-        pass  # the next propose re-syncs the KV cache to the committed context
-
-    def finish(self, rid: Hashable) -> None:
-        self._sessions.pop(rid, None)
-        self._fed.pop(rid, None)
-        self._params.pop(rid, None)
-
-
-class HybridDrafter:
-    """Per round: the suffix draft if its score reaches `min_score`, else the draft model.
-
-    A suffix draft's score is its expected number of accepted tokens, so a high
-    score means a confident, free guess; otherwise the draft model's (costly but
-    broadly right) guess is worth its time.
-    """
-
-    def __init__(
-        self,
-        suffix: SuffixDrafter,
-        model: DraftModelDrafter,
-        min_score: float = 2.0,
-        model_max_tokens: int | None = None,
-    ) -> None:
-        self.suffix = suffix
-        self.model = model
-        self.min_score = min_score
-        self.model_max_tokens = model_max_tokens  # model drafts cost per token: cap them separately
-        self.name = "hybrid"
-        self.model_free = False
-        self.rounds_by_source = {"suffix": 0, "draft-model": 0}
-
-    def start(
-        self, rid: Hashable, prompt_ids: Sequence[int], params: SamplingParams, session_id: Hashable | None = None
-    ) -> None:
-        self.suffix.start(rid, prompt_ids, params, session_id=session_id)
-        self.model.start(rid, prompt_ids, params)
-
-    def propose(self, rid: Hashable, context: Sequence[int], budget: int) -> Draft:
-        draft = self.suffix.propose(rid, context, budget)
-        if draft.score >= min(self.min_score, budget) and len(draft):
-            self.rounds_by_source["suffix"] += 1
-            return draft
-        self.rounds_by_source["draft-model"] += 1
-        if self.model_max_tokens is not None:
-            budget = min(budget, self.model_max_tokens)
-        return self.model.propose(rid, context, budget)
-
-    def observe(self, rid: Hashable, accepted: Sequence[int], proposed: Draft) -> None:
-        self.suffix.observe(rid, accepted, proposed)
-        self.model.observe(rid, accepted, proposed)
-
-    def finish(self, rid: Hashable) -> None:
-        self.suffix.finish(rid)
-        self.model.finish(rid)
-
-
 # The combined drafter lives in its own module; these names stay importable from here.
 from thinkahead.token_spec.combined_drafter import (
     COMBINED_SOURCES,
@@ -370,6 +247,7 @@ from thinkahead.token_spec.combined_drafter import (
     followed,
     merge_drafts,
 )
+from thinkahead.token_spec.model_drafter import DraftModelDrafter, HybridDrafter
 
 __all__ = [
     "COMBINED_SOURCES", "CombinedDrafter", "DraftModelDrafter", "Drafter", "HybridDrafter", "PromptLookupDrafter",

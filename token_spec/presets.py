@@ -24,7 +24,12 @@ if TYPE_CHECKING:  # the decoder, its controllers and KV pool only where one is 
 
 __all__ = ["DRAFTER_KINDS", "MODEL_FREE_KINDS", "build_decoder", "model_free_drafter"]
 
-MODEL_DRAFT_TOKENS = 4  # a draft-model token costs a forward of the small model: keep rounds short
+# A draft-model token costs a forward of the small model: a round drafts at most MODEL_DRAFT_TOKENS and
+# ends after a token the small model gives less than MODEL_DRAFT_MIN_PROB; its output layer keeps the ids
+# below MODEL_DRAFT_VOCAB and the context's (draft_vocab.py). Measured: docs/token_spec.md#draft-model.
+MODEL_DRAFT_TOKENS = 8
+MODEL_DRAFT_MIN_PROB = 0.8
+MODEL_DRAFT_VOCAB = 32768
 
 
 def model_free_drafter(kind: str, cache: SuffixCache | None = None):
@@ -41,6 +46,11 @@ def model_free_drafter(kind: str, cache: SuffixCache | None = None):
     if kind == "prompt-lookup-recent":
         return PromptLookupDrafter(prefer="last")
     raise ValueError(f"unknown model-free drafter {kind!r}; expected one of {', '.join(MODEL_FREE_KINDS)}")
+
+
+def small_model_drafter(engine) -> DraftModelDrafter:
+    """The draft-model drafter over `engine` (the small model's) with the settings above."""
+    return DraftModelDrafter(engine, vocab=MODEL_DRAFT_VOCAB, min_prob=MODEL_DRAFT_MIN_PROB)
 
 
 def build_decoder(
@@ -70,10 +80,10 @@ def build_decoder(
         drafter = model_free_drafter(kind, cache)
         controller = MatchLengthController(max_draft) if kind == "suffix-tree" else AdaptiveController(max_draft)
     elif kind == "draft-model":
-        drafter = DraftModelDrafter(draft_engine)
+        drafter = small_model_drafter(draft_engine)
         controller = FixedController(min(max_draft, MODEL_DRAFT_TOKENS))
     elif kind == "hybrid":
-        drafter = HybridDrafter(SuffixDrafter(cache), DraftModelDrafter(draft_engine), model_max_tokens=MODEL_DRAFT_TOKENS)
+        drafter = HybridDrafter(CombinedDrafter(cache), small_model_drafter(draft_engine), model_max_tokens=MODEL_DRAFT_TOKENS)
         controller = AdaptiveController(max_draft)
     else:
         drafter, controller = None, FixedController(0)

@@ -116,18 +116,37 @@ class FusedQwen2ForCausalLM(qwen2.Qwen2ForCausalLM):
     ) -> CausalLMOutputWithPast:
         cache = kwargs.pop("cache", None)
         cache = kwargs.pop("past_key_values", None) if cache is None else cache
-        config = self.config
-        lean = (input_ids is not None and not kwargs and not self.training and isinstance(logits_to_keep, int)
-                and (attention_mask is None or (attention_mask.dim() == 4 and attention_mask.is_floating_point()))
-                and config._attn_implementation == EXACT_ATTENTION
-                and not getattr(config, "output_hidden_states", False) and not getattr(config, "output_attentions", False))
-        if not lean:
+        if kwargs or not isinstance(logits_to_keep, int) or not self._lean(input_ids, attention_mask):
             return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                    use_cache=use_cache, logits_to_keep=logits_to_keep, **{CACHE_NAME: cache}, **kwargs)
         if use_cache is None:  # as transformers reads it
-            use_cache = bool(getattr(config, "use_cache", False))
+            use_cache = bool(getattr(self.config, "use_cache", False))
         if use_cache and cache is None:  # the cache transformers would make (and return)
-            cache = DynamicCache(config=config)
+            cache = DynamicCache(config=self.config)
+        hidden = self._layers(input_ids, attention_mask, position_ids, cache)
+        if logits_to_keep:
+            hidden = hidden[:, -logits_to_keep:, :]
+        return CausalLMOutputWithPast(logits=self.lm_head(hidden), **{CACHE_NAME: cache if use_cache else None})
+
+    def final_hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                     position_ids: torch.Tensor | None, cache: Any) -> torch.Tensor:
+        """The last layer's normed hidden states `[batch, n, hidden]` (what `lm_head` reads) of an engine
+        forward over `cache`: the same numbers `forward` feeds its output layer."""
+        if self._lean(input_ids, attention_mask):
+            return self._layers(input_ids, attention_mask, position_ids, cache)
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                          use_cache=True, **{CACHE_NAME: cache}).last_hidden_state
+
+    def _lean(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None) -> bool:
+        """Whether a forward with these inputs runs the layers directly (`_layers`)."""
+        config = self.config
+        return (input_ids is not None and not self.training
+                and (attention_mask is None or (attention_mask.dim() == 4 and attention_mask.is_floating_point()))
+                and config._attn_implementation == EXACT_ATTENTION
+                and not getattr(config, "output_hidden_states", False) and not getattr(config, "output_attentions", False))
+
+    def _layers(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                position_ids: torch.Tensor | None, cache: Any) -> torch.Tensor:
         inner = self.model
         hidden = inner.embed_tokens(input_ids)
         if position_ids is None:
@@ -150,9 +169,7 @@ class FusedQwen2ForCausalLM(qwen2.Qwen2ForCausalLM):
                 hidden = hidden + attn
                 hidden = hidden + layer.mlp.forward(norm(layer.post_attention_layernorm, hidden))
             hidden = norm(inner.norm, hidden)
-        if logits_to_keep:
-            hidden = hidden[:, -logits_to_keep:, :]
-        return CausalLMOutputWithPast(logits=self.lm_head(hidden), **{CACHE_NAME: cache if use_cache else None})
+        return hidden
 
 
 def use_native_layers(model: Any, enable: bool = True) -> bool:

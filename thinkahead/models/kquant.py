@@ -152,6 +152,32 @@ class GGUFLinear(torch.nn.Module):
                             self._biases, out.data_ptr(), torch.get_num_threads())
         return out.reshape(*shape[:-1], self.out_features)
 
+    def output_rows(self, ids: torch.Tensor) -> GGUFLinear:
+        """A linear whose output j is this one's output `ids[j]`, reading only those weight rows: a view
+        of the blocks where ids run consecutively within one tensor, a copy of the rows otherwise."""
+        ids = ids.reshape(-1).long()
+        if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= self.out_features:
+            raise ValueError(f"output rows must be a non-empty list of ids in [0, {self.out_features})")
+        starts = torch.tensor([sum(self._rows[:i]) for i in range(len(self._rows))])
+        part_of = torch.searchsorted(starts, ids, right=True) - 1
+        parts: list[QuantTensor] = []
+        begin = 0
+        for end in range(1, ids.numel() + 1):  # runs of ids that fall in the same tensor
+            if end < ids.numel() and part_of[end] == part_of[begin]:
+                continue
+            i = int(part_of[begin])
+            local = ids[begin:end] - starts[i]
+            blocks = getattr(self, f"blocks{i}")
+            first = int(local[0])
+            if torch.equal(local, torch.arange(first, first + local.numel())):
+                rows = blocks[first:first + local.numel()]
+            else:
+                rows = blocks.index_select(0, local)
+            parts.append(QuantTensor(self.names[i], self._types[i], local.numel(), self.in_features, rows, KERNEL_LAYOUT))
+            begin = end
+        bias = None if self.bias is None else self.bias.index_select(0, ids)
+        return GGUFLinear(parts, bias)
+
     def extra_repr(self) -> str:
         types = "+".join(_TYPE_NAMES[t] for t in self._types)
         return f"in_features={self.in_features}, out_features={self.out_features}, types={types}"

@@ -17,6 +17,7 @@ once the window is full. See docs/token_spec.md for the measured pitfalls.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 from numbers import Integral
 from typing import TYPE_CHECKING
@@ -89,6 +90,7 @@ class HFEngine:
         token_ids: list[int],
         parents: list[int] | None = None,
         last_only: bool = False,
+        head: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Append `token_ids` to the session and return their float32 logits `[len(token_ids), vocab]`.
 
@@ -99,6 +101,8 @@ class HFEngine:
         afterwards all tree nodes are in the cache (`session.length = P + T`) until `keep_path`.
         `last_only=True` returns only the last row `[1, vocab]`: a prefill then skips the vocabulary
         projection of every other position (for a 150k vocabulary that is most of a long prompt's cost).
+        `head` replaces the model's output layer: it maps the last layer's hidden states `[n, hidden]` to
+        the logits returned (a drafter's output layer over part of the vocabulary).
         """
         self._check_tokens(token_ids)
         start = session.length
@@ -116,18 +120,22 @@ class HFEngine:
             position_ids = (start + depth).unsqueeze(0).to(self.device)
             mask = self._tree_mask(session, start, chain, depth)
         with torch.inference_mode():
-            out = self.model(
-                input_ids=ids,
-                attention_mask=mask,
-                position_ids=position_ids,
-                use_cache=True,
-                **{self._cache_arg: session.cache},
-                logits_to_keep=1 if last_only else 0,
-            )
+            if head is None:
+                logits = self.model(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    position_ids=position_ids,
+                    use_cache=True,
+                    **{self._cache_arg: session.cache},
+                    logits_to_keep=1 if last_only else 0,
+                ).logits[0]
+            else:
+                hidden = self._final_hidden(ids, mask, position_ids, session.cache)[0]
+                logits = head(hidden[-1:] if last_only else hidden)
         session.length = start + n
         session.last_start, session.last_parents = start, chain
         self.forwarded_tokens += n
-        return out.logits[0].float()
+        return logits.float()
 
     def keep_path(self, session: EngineSession, start: int, path: list[int]) -> None:
         """Keep only the nodes `path` (root-to-node, strictly increasing) of the forward that began at `start`.
@@ -187,6 +195,16 @@ class HFEngine:
         return out.logits[0].float()
 
     # -- helpers ---------------------------------------------------------------------------------
+
+    def _final_hidden(self, ids: torch.Tensor, mask, position_ids: torch.Tensor, cache) -> torch.Tensor:
+        """The last layer's normed hidden states `[1, n, hidden]`: what the output layer reads."""
+        own = getattr(self.model, "final_hidden", None)  # a fused model runs its lean layers
+        if own is not None:
+            return own(ids, mask, position_ids, cache)
+        base = self.model.base_model
+        cache_arg = "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+        out = base(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=True, **{cache_arg: cache})
+        return out.last_hidden_state
 
     def _check_tokens(self, token_ids: list[int]) -> None:
         """Reject an empty list or ids outside the vocabulary (an embedding lookup would fail obscurely)."""

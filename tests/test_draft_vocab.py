@@ -1,0 +1,177 @@
+"""A draft model's output layer over part of the vocabulary (token_spec/draft_vocab.py) and the draft-model
+drafter around it (token_spec/model_drafter.py).
+
+An output layer restricted to some rows gives those columns of the full output, bit for bit (GGUF blocks,
+`nn.Linear`, any other head); an engine forward through a given head gives the model's own logits; a
+request's kept ids are the frequent ones and its context's; speculative greedy with a restricted draft
+vocabulary, a confidence stop and a session's kept KV still equals plain greedy, and every drafted token
+is a kept id.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from thinkahead.models import gguf_native, kquant
+from thinkahead.models.exact_attention import IMPLEMENTATION as EXACT_ATTENTION
+from thinkahead.token_spec.backends.hf import HFEngine
+from thinkahead.token_spec.controller import FixedController
+from thinkahead.token_spec.decoder import SpeculativeDecoder, plain_greedy
+from thinkahead.token_spec.draft_vocab import DraftVocab, output_rows
+from thinkahead.token_spec.drafters import CombinedDrafter, DraftModelDrafter, HybridDrafter
+from thinkahead.token_spec.suffix_cache import SuffixCache
+from thinkahead.token_spec.verify import SamplingParams
+
+from tests.test_gguf_native import tiny_config, write_tiny_gguf
+from tests.test_kquant import T, quant_tensor
+from tests.test_speculative_decoding import Recording, repetitive_prompt
+from tests.tiny_models import ARCHS, VOCAB
+
+needs_gguf = pytest.mark.skipif(kquant.unavailable_reason() is not None, reason=str(kquant.unavailable_reason()))
+
+
+@needs_gguf
+def test_gguf_output_rows_are_those_columns_of_the_full_output() -> None:
+    parts = [quant_tensor("a", T.Q8_0, 40, 256, 1)[0], quant_tensor("b", T.Q6_K, 24, 256, 2)[0]]
+    bias = torch.randn(64)
+    full_linear = kquant.GGUFLinear(parts, bias)
+    x = torch.randn(3, 256)
+    full = full_linear(x)
+    for ids in (torch.arange(0, 16), torch.arange(45, 60), torch.tensor([5, 41, 3, 63, 39, 40])):
+        rows = full_linear.output_rows(ids)
+        assert rows.out_features == ids.numel()
+        assert torch.equal(rows(x), full[:, ids]), ids
+    assert full_linear.output_rows(torch.arange(0, 16)).blocks0.data_ptr() == full_linear.blocks0.data_ptr()  # a view
+    for bad in (torch.tensor([], dtype=torch.long), torch.tensor([64]), torch.tensor([-1])):
+        with pytest.raises(ValueError, match=r"ids in \[0, 64\)"):
+            full_linear.output_rows(bad)
+
+
+def test_output_rows_of_a_linear_or_any_other_head() -> None:
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(16, 30)
+    other = torch.nn.Sequential(torch.nn.Linear(16, 30), torch.nn.Tanh())
+    x = torch.randn(4, 16)
+    ids = torch.tensor([29, 0, 7, 8, 9])
+    for head in (linear, other):
+        assert torch.equal(output_rows(head, ids)(x), head(x)[:, ids])
+    assert output_rows(linear, torch.arange(3, 9)).weight.data_ptr() == linear.weight[3].data_ptr()  # a view
+
+
+def _head_matches(engine: HFEngine) -> None:
+    head = engine.model.get_output_embeddings()
+    prompt = [(7 * i + 3) % VOCAB for i in range(23)]
+    own, given = engine.new_session(), engine.new_session()
+    assert torch.equal(engine.forward(given, prompt, head=head), engine.forward(own, prompt))
+    assert torch.equal(engine.forward(given, [4, 5], head=head, last_only=True), engine.forward(own, [4, 5], last_only=True))
+    tree = ([9, 10, 11], [-1, 0, 0])
+    assert torch.equal(engine.forward(given, *tree, head=head), engine.forward(own, *tree))
+    assert given.length == own.length == len(prompt) + 5
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_an_engine_forward_through_the_models_own_head_gives_its_logits(arch, tiny_engine_factory) -> None:
+    _head_matches(tiny_engine_factory(arch))
+
+
+@needs_gguf
+def test_the_fused_gguf_model_runs_its_lean_layers_for_a_given_head(tmp_path) -> None:
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path)
+    model = gguf_native.build_model(path, tiny_config())
+    model.set_attn_implementation(EXACT_ATTENTION)
+    assert model._lean(torch.tensor([[1]]), None)
+    _head_matches(HFEngine(model))
+
+
+def test_a_requests_kept_ids_are_the_frequent_ones_and_its_contexts() -> None:
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, 50)
+    vocab = DraftVocab(head, 50, 20)
+    request = vocab.for_request()
+    request.update([3, 41, 7, 25, 41])
+    assert request.ids.tolist() == [*range(20), 41, 25]
+    request.update([3, 41, 7, 25, 41, 30, 2])  # extends: only the new tokens are read
+    assert request.ids.tolist() == [*range(20), 41, 25, 30]
+    request.update([49])  # another context: ids are only ever added
+    assert request.ids.tolist() == [*range(20), 41, 25, 30, 49]
+    x = torch.randn(2, 8)
+    assert torch.equal(request.logits(x), head(x)[:, request.ids])
+    dist = torch.softmax(request.logits(x)[0], -1)
+    full = request.full(dist)
+    assert full.shape == (50,) and torch.equal(full[request.ids], dist) and float(full.sum()) == pytest.approx(1.0)
+    assert float(full[[20, 21, 40, 48]].abs().sum()) == 0.0
+    assert DraftVocab(head, 50, 80).first == 50
+    with pytest.raises(ValueError, match="at least one id"):
+        DraftVocab(head, 50, 0)
+
+
+class CountingEngine:
+    """An engine that counts the tokens each forward reads."""
+
+    def __init__(self, engine: HFEngine) -> None:
+        self.inner, self.fed = engine, []
+        self.model, self.vocab_size = engine.model, engine.vocab_size
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def forward(self, session, token_ids, parents=None, last_only=False, head=None):
+        self.fed.append(len(token_ids))
+        return self.inner.forward(session, token_ids, parents, last_only=last_only, head=head)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_restricted_confident_drafts_with_kept_sessions_still_give_plain_greedy(arch, tiny_engine_factory) -> None:
+    engine = tiny_engine_factory(arch)
+    small = CountingEngine(tiny_engine_factory(arch, seed=1))
+    first = VOCAB // 2
+    drafter = Recording(DraftModelDrafter(small, vocab=first, min_prob=0.3))
+    decoder = SpeculativeDecoder(engine, drafter, FixedController(6))
+    prompt = repetitive_prompt(0)
+    reference = plain_greedy(engine, prompt, 40)
+    result = decoder.generate(prompt, max_new_tokens=40, stop_token_ids=[], session_id="s")
+    assert result.token_ids == reference
+    kept = set(range(first)) | set(prompt) | set(reference)
+    drafted = [t for d in drafter.drafts for t in d.token_ids]
+    assert drafted and set(drafted) <= kept
+    for d in drafter.drafts:  # a draft ends at the first token below min_prob, or at the budget
+        assert all(p >= 0.3 for p in d.probs[:-1]) and (len(d) == 6 or d.probs[-1] < 0.3)
+    # the session's next turn extends the last prompt + answer: the small model reads only what is new
+    turn = prompt + reference + [5, 6, 7]
+    small.fed.clear()
+    again = decoder.generate(turn, max_new_tokens=20, stop_token_ids=[], session_id="s")
+    assert again.token_ids == plain_greedy(engine, turn, 20)
+    # what the last round committed past the small model's KV (a draft of 6 + the bonus token at most),
+    # then [5, 6, 7]: not the whole prompt
+    assert small.fed[0] <= 7 + 3 < len(turn), small.fed
+    small.fed.clear()
+    decoder.generate(turn, max_new_tokens=5, stop_token_ids=[])  # no session: the whole prompt
+    assert small.fed[0] == len(turn)
+
+
+def test_sampled_drafts_over_kept_ids_carry_q_over_the_whole_vocabulary(tiny_engine_factory) -> None:
+    small = tiny_engine_factory("qwen2", seed=1)
+    drafter = DraftModelDrafter(small, seed=0, vocab=10)
+    drafter.start("r", [1, 2, 150], SamplingParams(temperature=1.0))
+    draft = drafter.propose("r", [1, 2, 150], 3)
+    assert draft.q.shape == (len(draft), VOCAB)
+    kept = list(range(10)) + [150]
+    assert torch.allclose(draft.q[:, kept].sum(-1), torch.ones(len(draft)))
+    assert all(t in kept for t in draft.token_ids)
+    for bad in (dict(min_prob=1.5), dict(sessions=-1)):
+        with pytest.raises(ValueError):
+            DraftModelDrafter(small, **bad)
+
+
+def test_hybrid_takes_the_combined_draft_when_confident_else_the_small_models(tiny_engine_factory) -> None:
+    engine = tiny_engine_factory("qwen2")
+    hybrid = HybridDrafter(CombinedDrafter(SuffixCache(max_depth=24)),
+                           DraftModelDrafter(tiny_engine_factory("qwen2", seed=1), vocab=VOCAB // 2), model_max_tokens=4)
+    decoder = SpeculativeDecoder(engine, hybrid, FixedController(8))
+    prompt = repetitive_prompt(1)
+    reference = plain_greedy(engine, prompt, 40)
+    for _ in range(2):  # the second pass can copy the first's answer
+        assert decoder.generate(prompt, max_new_tokens=40, stop_token_ids=[]).token_ids == reference
+    assert hybrid.rounds_by_source["free"] > 0 and hybrid.rounds_by_source["draft-model"] > 0

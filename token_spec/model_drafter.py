@@ -1,0 +1,179 @@
+"""Drafters that run a small model: `DraftModelDrafter`, and `HybridDrafter` (a model-free draft when it is
+confident, else the small model's).
+
+Split from drafters.py (which re-exports these names). What makes a small-model draft pay on a CPU,
+where each drafted token is a whole forward of the small model:
+
+- the output layer over part of the vocabulary (`draft_vocab.py`): the frequent ids and the context's;
+- a draft that stops where the small model stops being sure (`min_prob`), so the rounds are long where
+  it writes the obvious and short where it guesses;
+- the small model's KV kept between the requests of one agent session: a turn's prompt extends the
+  last one, so only what is new is read again.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from thinkahead.token_spec.draft import Draft
+from thinkahead.token_spec.draft_vocab import DraftVocab, RequestVocab
+from thinkahead.token_spec.names import common_prefix_len
+from thinkahead.token_spec.verify import SamplingParams, target_probs
+
+
+@dataclass(slots=True)
+class _ModelRequest:
+    session: Any  # the draft engine's EngineSession
+    fed: list[int]  # tokens whose K/V are in `session`
+    params: SamplingParams
+    vocab: RequestVocab | None
+    session_id: Hashable | None
+
+
+class DraftModelDrafter:
+    """A small model with the target's tokenizer drafts a chain autoregressively.
+
+    Greedy requests get the draft model's argmax tokens (deterministic, verified
+    as point masses). Sampling requests get tokens sampled from the draft model's
+    own distribution q, which travels with the draft so the verifier can accept
+    with min(1, p/q).
+
+    `vocab`: the output layer keeps the ids below it and the context's ids (None: all of them).
+    `min_prob`: a draft ends after the first token the small model gives less than this probability.
+    `sessions`: how many agent sessions keep their KV between requests (the least recent is dropped).
+    """
+
+    model_free = False
+
+    def __init__(self, engine, seed: int = 0, *, vocab: int | None = None, min_prob: float = 0.0,
+                 sessions: int = 4) -> None:  # engine: an Engine (e.g. HFEngine)
+        if not 0.0 <= min_prob <= 1.0:
+            raise ValueError(f"min_prob must be in [0, 1], got {min_prob}")
+        if sessions < 0:
+            raise ValueError(f"sessions must be >= 0, got {sessions}")
+        import torch
+
+        self.engine = engine
+        self.name = "draft-model"
+        self.min_prob = min_prob
+        self.sessions = sessions
+        head = engine.model.get_output_embeddings() if vocab is not None else None
+        self.vocab = None if head is None or vocab >= engine.vocab_size else DraftVocab(head, engine.vocab_size, vocab)
+        self._live: dict[Hashable, _ModelRequest] = {}
+        self._saved: OrderedDict[Hashable, _ModelRequest] = OrderedDict()  # session id -> its last request
+        self._generator = torch.Generator().manual_seed(seed)
+
+    def start(
+        self, rid: Hashable, prompt_ids: Sequence[int], params: SamplingParams, session_id: Hashable | None = None
+    ) -> None:
+        saved = self._saved.pop(session_id, None) if session_id is not None else None
+        if saved is not None:  # the session's KV and kept ids; `propose` keeps what the new prompt shares
+            self._live[rid] = _ModelRequest(saved.session, saved.fed, params, saved.vocab, session_id)
+            return
+        vocab = self.vocab.for_request() if self.vocab is not None else None
+        self._live[rid] = _ModelRequest(self.engine.new_session(), [], params, vocab, session_id)
+
+    def propose(self, rid: Hashable, context: Sequence[int], budget: int) -> Draft:
+        import torch
+
+        live = self._live.get(rid)
+        if live is None:
+            raise ValueError(f"request {rid!r} was not started")
+        if budget <= 0 or not context:
+            return Draft(source=self.name)
+        fed, session, vocab = live.fed, live.session, live.vocab
+        keep = common_prefix_len(fed, context, limit=len(context) - 1)
+        self.engine.truncate(session, keep)
+        del fed[keep:]
+        head = None
+        if vocab is not None:
+            vocab.update(context)
+            head = vocab.logits
+        logits = self.engine.forward(session, list(context[keep:]), last_only=True, head=head)
+        fed.extend(context[keep:])
+        tokens: list[int] = []
+        q_rows: list[torch.Tensor] = []
+        probs: list[float] = []
+        for step in range(budget):
+            if step:
+                logits = self.engine.forward(session, [tokens[-1]], head=head)
+                fed.append(tokens[-1])
+            if live.params.greedy:
+                dist = torch.softmax(logits[-1].float(), dim=-1)
+                pick = int(dist.argmax())
+            else:
+                dist = target_probs(logits[-1:], live.params)[0]
+                pick = int(torch.multinomial(dist, 1, generator=self._generator))
+                q_rows.append(dist if vocab is None else vocab.full(dist))
+            tokens.append(pick if vocab is None else int(vocab.ids[pick]))
+            probs.append(float(dist[pick]))
+            if probs[-1] < self.min_prob:
+                break
+        q = torch.stack(q_rows) if q_rows else None
+        return Draft.chain(tokens, probs, source=self.name, q=q)
+
+    def observe(self, rid: Hashable, accepted: Sequence[int], proposed: Draft) -> None:
+        pass  # the next propose re-syncs the KV cache to the committed context
+
+    def finish(self, rid: Hashable) -> None:
+        live = self._live.pop(rid, None)
+        if live is None or live.session_id is None or not self.sessions:
+            return
+        self._saved[live.session_id] = live
+        while len(self._saved) > self.sessions:
+            self._saved.popitem(last=False)
+
+    def end_session(self, session_id: Hashable) -> None:
+        """Drop a session's kept KV (the agent session is over)."""
+        self._saved.pop(session_id, None)
+
+
+class HybridDrafter:
+    """Per round: the model-free draft if its score reaches `min_score`, else the draft model.
+
+    A model-free draft's score is its expected number of accepted tokens, so a high
+    score means a confident, free guess; otherwise the draft model's (costly but
+    broadly right) guess is worth its time.
+    """
+
+    def __init__(
+        self,
+        free: Any,
+        model: DraftModelDrafter,
+        min_score: float = 2.0,
+        model_max_tokens: int | None = None,
+    ) -> None:
+        self.free = free  # a model-free drafter: SuffixDrafter, CombinedDrafter, ...
+        self.model = model
+        self.min_score = min_score
+        self.model_max_tokens = model_max_tokens  # model drafts cost per token: cap them separately
+        self.name = "hybrid"
+        self.model_free = False
+        self.rounds_by_source = {"free": 0, "draft-model": 0}
+
+    def start(
+        self, rid: Hashable, prompt_ids: Sequence[int], params: SamplingParams, session_id: Hashable | None = None
+    ) -> None:
+        self.free.start(rid, prompt_ids, params, session_id=session_id)
+        self.model.start(rid, prompt_ids, params, session_id=session_id)
+
+    def propose(self, rid: Hashable, context: Sequence[int], budget: int) -> Draft:
+        draft = self.free.propose(rid, context, budget)
+        if draft.score >= min(self.min_score, budget) and len(draft):
+            self.rounds_by_source["free"] += 1
+            return draft
+        self.rounds_by_source["draft-model"] += 1
+        if self.model_max_tokens is not None:
+            budget = min(budget, self.model_max_tokens)
+        return self.model.propose(rid, context, budget)
+
+    def observe(self, rid: Hashable, accepted: Sequence[int], proposed: Draft) -> None:
+        self.free.observe(rid, accepted, proposed)
+        self.model.observe(rid, accepted, proposed)
+
+    def finish(self, rid: Hashable) -> None:
+        self.free.finish(rid)
+        self.model.finish(rid)
