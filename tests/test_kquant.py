@@ -65,7 +65,7 @@ def quantized_rows(x: torch.Tensor, kind: T) -> torch.Tensor:
 @pytest.mark.parametrize("name", list(TYPES))
 def test_the_kernel_equals_a_float64_reference_on_quantized_rows(name) -> None:
     kind = TYPES[name]
-    cols = 512 if kind in (T.Q4_K, T.Q6_K) else 96
+    cols = 512 if kind in (T.Q4_K, T.Q6_K) else 32 * 11  # Q5_0/Q8_0: a group of 8 blocks, then 3
     tensor, blocks = quant_tensor("w", kind, 70, cols)
     bias = torch.randn(70)
     layer = kquant.GGUFLinear([tensor], bias)
@@ -80,7 +80,7 @@ def test_the_kernel_equals_a_float64_reference_on_quantized_rows(name) -> None:
 @pytest.mark.parametrize("name", list(TYPES))
 def test_a_rows_output_never_depends_on_the_other_rows_or_the_threads(name) -> None:
     kind = TYPES[name]
-    cols = 768 if kind in (T.Q4_K, T.Q6_K) else 160
+    cols = 768 if kind in (T.Q4_K, T.Q6_K) else 32 * 13
     layer = kquant.GGUFLinear([quant_tensor("w", kind, 300, cols, seed=1)[0]])
     x = torch.randn(17, cols) * 3
     together = layer(x)
@@ -146,7 +146,7 @@ def test_every_isa_build_gives_the_avx2_builds_bits(name) -> None:
     if len(isas) < 2:
         pytest.skip("this CPU runs the AVX2 build only")
     kind = TYPES[name]
-    cols = 512 if kind in (T.Q4_K, T.Q6_K) else 96
+    cols = 512 if kind in (T.Q4_K, T.Q6_K) else 32 * 11  # Q5_0/Q8_0: a group of 8 blocks, then 3
     layer = kquant.GGUFLinear([quant_tensor("w", kind, 200, cols, seed=7)[0]], torch.randn(200))
     x = torch.randn(21, cols) * 2
     best, tile_from = native.isa(), native.tile_from()
@@ -192,7 +192,7 @@ def test_the_kernel_refuses_what_it_cannot_run_without_aborting() -> None:
 @pytest.mark.parametrize("name", list(TYPES))
 def test_the_kernel_layout_is_a_rewrite_of_the_same_bytes_in_place_or_as_a_copy(name) -> None:
     kind = TYPES[name]
-    tensor, blocks = quant_tensor("w", kind, 12, 512 if kind in (T.Q4_K, T.Q6_K) else 96, seed=3)
+    tensor, blocks = quant_tensor("w", kind, 12, 512 if kind in (T.Q4_K, T.Q6_K) else 32 * 11, seed=3)
     original = blocks.copy()
     copy = kquant.kernel_layout(tensor)
     assert copy.layout == kquant.KERNEL_LAYOUT and kquant.kernel_layout(copy) is copy
@@ -203,8 +203,14 @@ def test_the_kernel_layout_is_a_rewrite_of_the_same_bytes_in_place_or_as_a_copy(
         size, header = (144, slice(0, 4)) if kind == T.Q4_K else (210, slice(208, 210))
         assert not np.array_equal(copy.blocks.numpy(), original)
         assert np.array_equal(copy.blocks.numpy().reshape(-1, size)[:, header], original.reshape(-1, size)[:, header])
-    else:  # one layout: no copy made
-        assert copy.blocks.data_ptr() == tensor.blocks.data_ptr()
+    else:  # each row's blocks in groups of 8 (here 8, then 3): the group's scales, high bits, codes
+        size = 22 if kind == T.Q5_0 else 34
+        rows = original.reshape(12, 11, size)
+        expected = []
+        for group in (rows[:, :8], rows[:, 8:]):
+            parts = [group[:, :, :2], group[:, :, 2:6], group[:, :, 6:]] if kind == T.Q5_0 else [group[:, :, :2], group[:, :, 2:]]
+            expected += [p.reshape(12, -1) for p in parts]
+        assert np.array_equal(copy.blocks.numpy(), np.concatenate(expected, axis=1))
     with pytest.raises(ValueError, match="file's layout, not the kernel's"):
         kquant.GGUFEmbedding(copy)
     with pytest.raises(ValueError, match="layout must be"):

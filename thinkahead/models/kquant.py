@@ -13,10 +13,11 @@ rows from 16 rows on), so verifying k drafted tokens computes exactly what decod
 computes (tests/test_kquant.py); with float64 attention
 (exact_attention.py) speculative greedy output equals plain greedy output.
 
-Layout: a Q4_K/Q6_K linear's blocks are rewritten once, at load, into the kernel's layout (the same
-bytes per block, its codes permuted so that one multiply-add per 32 values leaves every sub-block's
-sum in its own vector lane: native/kquant_layout.inc); `kernel_layout` does it, in place where the
-caller owns the bytes. Embedding tables keep the file's layout.
+Layout: a linear's blocks are rewritten once, at load, into the kernel's layout (native/kquant_layout.inc;
+the same bytes per row): Q4_K/Q6_K codes permuted so that one multiply-add per 32 values leaves every
+sub-block's sum in its own vector lane; Q5_0/Q8_0 blocks regrouped by 8 with their scales first, which
+convert in one instruction. `kernel_layout` does it, in place where the caller owns the bytes. Embedding
+tables keep the file's layout.
 
 ISA: the dot products are compiled three times (native/kquant_dots.inc): AVX2, AVX-VNNI and AVX-512 VNNI
 (256-bit vectors with EVEX's 32 registers: tiles of 8 weight rows instead of 4), whose multiply-adds give
@@ -62,7 +63,6 @@ def kernel() -> ModuleType:
 
 
 FILE_LAYOUT, KERNEL_LAYOUT = "file", "kernel"  # QuantTensor.layout: the GGUF file's block layout, or the kernel's
-_REPACKED_TYPES = frozenset({int(GGMLQuantizationType.Q4_K), int(GGMLQuantizationType.Q6_K)})
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,11 +97,8 @@ def kernel_layout(tensor: QuantTensor, in_place: bool = False) -> QuantTensor:
     rewritten blocks are a copy."""
     if tensor.layout == KERNEL_LAYOUT:
         return tensor
-    if tensor.type not in _REPACKED_TYPES:  # one layout for these
-        return replace(tensor, layout=KERNEL_LAYOUT)
     blocks = tensor.blocks if in_place else torch.empty_like(tensor.blocks)
-    nbytes = BLOCK_GEOMETRY[tensor.type][1]
-    kernel().repack(tensor.type, tensor.blocks.data_ptr(), blocks.data_ptr(), tensor.blocks.numel() // nbytes)
+    kernel().repack(tensor.type, tensor.blocks.data_ptr(), blocks.data_ptr(), tensor.rows, tensor.cols)
     return replace(tensor, blocks=blocks, layout=KERNEL_LAYOUT)
 
 

@@ -1,6 +1,6 @@
 // Linears computed directly on a GGUF file's quantized blocks (Q4_K, Q6_K, Q5_0, Q8_0), AVX2/AVX-VNNI, for
 // thinkahead/models/kquant.py: y = x @ W.T + b where W stays in the file's blocks (never converted;
-// Q4_K/Q6_K codes permuted once at load into the kernel's layout: kquant_layout.inc) and every row of
+// its blocks rearranged once at load into the kernel's layout: kquant_layout.inc) and every row of
 // x is quantized to 8 bits per block, as llama.cpp does it.
 //
 // Why: a decode step on a CPU is bound by the bytes of weights it streams. The packaged models are
@@ -15,7 +15,8 @@
 //   integers (the scaled dot product, the mins term) meet the float scales in one fixed formula and
 //   order (kquant_dots.inc's epilogue), whichever path computed them: row by row (kquant_dots.inc),
 //   several rows per vector (the same), or tiles of 8 rows in the vector lanes (kquant_tiles.inc, from
-//   16 rows of x on, AVX-VNNI). Q5_0/Q8_0: one fixed order of vector lanes per (row, output). Either way
+//   16 rows of x on, AVX-VNNI). Q5_0/Q8_0: per block, its integer dot product's 8 lanes times the block
+//   scales' product (w.d * x.d), accumulated lane by lane in block order, the lanes summed last. Either way
 //   the result is bit-identical row by row, whatever M, the path or the thread.
 // - No fused contraction beyond the explicit fmadd (compiled with -ffp-contract=off).
 //
@@ -74,9 +75,8 @@ struct alignas(32) Q8K {  // x per 256 values (aligned: the kernel's 32-byte loa
     float d;
 };
 
-struct alignas(4) Q8B {  // x per 32 values
+struct alignas(32) Q8B {  // x per 32 values: the codes (the scales in an array of their own: Job::xbd)
     int8_t qs[QK];
-    float d;
 };
 
 #include "kquant_layout.inc"
@@ -110,7 +110,7 @@ void quantize_q8k(const float* x, int64_t K, Q8K* out) {
     }
 }
 
-void quantize_q8b(const float* x, int64_t K, Q8B* out) {
+void quantize_q8b(const float* x, int64_t K, Q8B* out, float* scales) {
     for (int64_t b = 0; b < K / QK; ++b) {
         const float* v = x + b * QK;
         Q8B& q = out[b];
@@ -123,7 +123,7 @@ void quantize_q8b(const float* x, int64_t K, Q8B* out) {
         const float d = amax < 127.0f / std::numeric_limits<float>::max() ? 0.0f : amax / 127.0f;
         const float id = d != 0.0f && std::isfinite(1.0f / d) ? 1.0f / d : 0.0f;
         for (int64_t j = 0; j < QK; ++j) q.qs[j] = nan ? 0 : static_cast<int8_t>(std::nearbyint(v[j] * id));
-        q.d = nan ? std::numeric_limits<float>::quiet_NaN() : d;
+        scales[b] = nan ? std::numeric_limits<float>::quiet_NaN() : d;
     }
 }
 
@@ -146,6 +146,7 @@ struct Job {
     int64_t M = 0, K = 0, N = 0;
     const Q8K* xk = nullptr;  // [M, K / 256], where some part needs it
     const Q8B* xb = nullptr;  // [M, K / 32], where some part needs it
+    const float* xbd = nullptr;  // [M, K / 32 + GROUP]: xb's scales (a row's last group may read past its end)
     float* out = nullptr;     // [M, N]
     int isa = AVX2;           // which build of the dot products runs (the same results; fewer instructions)
     const XTile* xt = nullptr;  // x's first `tiled` rows in tiles [ceil(tiled / 8)][K / 256] (kquant_layout.inc)
@@ -316,6 +317,7 @@ void linear(uintptr_t x, int64_t M, int64_t K, const py::list& types, const py::
         }
     thread_local std::vector<Q8K> xk;
     thread_local std::vector<Q8B> xb;
+    thread_local std::vector<float> xbd;
     const float* xf = as_ptr<const float>(x);
     {
         py::gil_scoped_release release;
@@ -335,28 +337,40 @@ void linear(uintptr_t x, int64_t M, int64_t K, const py::list& types, const py::
             }
         }
         if (need_b) {
-            xb.resize(static_cast<size_t>(M * (K / QK)));
-            for (int64_t m = 0; m < M; ++m) quantize_q8b(xf + m * K, K, xb.data() + m * (K / QK));
+            const int64_t nb = K / QK;
+            xb.resize(static_cast<size_t>(M * nb));
+            xbd.assign(static_cast<size_t>(M * nb + GROUP), 0.0f);
+            for (int64_t m = 0; m < M; ++m) quantize_q8b(xf + m * K, K, xb.data() + m * nb, xbd.data() + m * nb);
             job.xb = xb.data();
+            job.xbd = xbd.data();
         }
         job.out = as_ptr<float>(out);
         thinkahead_native::run_chunks({&run_chunk, &job, static_cast<int64_t>(job.chunk_part.size())}, threads);
     }
 }
 
-// Rewrites `blocks` Q4_K or Q6_K super-blocks from the file's layout into the kernel's
-// (kquant_layout.inc); src == dst rewrites them in place. Other types have one layout: a copy.
-void repack(int type, uintptr_t src, uintptr_t dst, int64_t blocks) {
-    const int64_t bytes = block_bytes(type);
-    if (blocks < 0) throw std::invalid_argument("kquant repack: a negative number of blocks");
+// Rewrites a [rows, cols] tensor's blocks from the file's layout into the kernel's (kquant_layout.inc);
+// src == dst rewrites them in place.
+void repack(int type, uintptr_t src, uintptr_t dst, int64_t rows, int64_t cols) {
+    const int64_t bytes = block_bytes(type), values = block_values(type);
+    if (rows < 0 || cols <= 0 || cols % values != 0)
+        throw std::invalid_argument("kquant repack: rows >= 0 and columns a positive multiple of the block size");
     if (!thinkahead_native::avx2_fma_supported()) throw std::runtime_error("kquant repack: this CPU lacks AVX2/FMA");
     const uint8_t* in = as_ptr<const uint8_t>(src);
     uint8_t* out = as_ptr<uint8_t>(dst);
+    const int64_t nb = cols / values;
     py::gil_scoped_release release;
-    for (int64_t b = 0; b < blocks; ++b) {
-        if (type == Q4_K) repack_q4k_block(in + b * bytes, out + b * bytes);
-        else if (type == Q6_K) repack_q6k_block(in + b * bytes, out + b * bytes);
-        else if (in != out) std::memcpy(out + b * bytes, in + b * bytes, static_cast<size_t>(bytes));
+    for (int64_t r = 0; r < rows; ++r) {
+        const uint8_t* row_in = in + r * nb * bytes;
+        uint8_t* row_out = out + r * nb * bytes;
+        if (type == Q5_0 || type == Q8_0) {
+            repack_q32_row(type, row_in, row_out, nb);
+            continue;
+        }
+        for (int64_t b = 0; b < nb; ++b) {
+            if (type == Q4_K) repack_q4k_block(row_in + b * bytes, row_out + b * bytes);
+            else repack_q6k_block(row_in + b * bytes, row_out + b * bytes);
+        }
     }
 }
 
@@ -376,7 +390,7 @@ PYBIND11_MODULE(_kquant_native, m) {
     m.def("block_bytes", &block_bytes, py::arg("type"));
     m.def("linear", &linear, py::arg("x"), py::arg("m"), py::arg("k"), py::arg("types"), py::arg("weights"),
           py::arg("rows"), py::arg("biases"), py::arg("out"), py::arg("threads"));
-    m.def("repack", &repack, py::arg("type"), py::arg("src"), py::arg("dst"), py::arg("blocks"),
+    m.def("repack", &repack, py::arg("type"), py::arg("src"), py::arg("dst"), py::arg("rows"), py::arg("cols"),
           "rewrite blocks from the file's layout into the kernel's (src == dst: in place)");
     m.def("threading", &thinkahead_native::threading);
     m.def("tile_from", [] { return tile_from.load(); }, "rows of x from which K-quant parts run in tiles (0: never)");
