@@ -19,7 +19,9 @@ from thinkahead.token_spec.backends.hf import HFEngine
 from thinkahead.token_spec.controller import FixedController
 from thinkahead.token_spec.decoder import SpeculativeDecoder, plain_greedy
 from thinkahead.token_spec.draft_vocab import DraftVocab, output_rows
+from thinkahead.token_spec.draft import Draft
 from thinkahead.token_spec.drafters import CombinedDrafter, DraftModelDrafter, HybridDrafter
+from thinkahead.token_spec.model_drafter import RoundRate
 from thinkahead.token_spec.suffix_cache import SuffixCache
 from thinkahead.token_spec.verify import SamplingParams
 
@@ -175,3 +177,45 @@ def test_hybrid_takes_the_combined_draft_when_confident_else_the_small_models(ti
     for _ in range(2):  # the second pass can copy the first's answer
         assert decoder.generate(prompt, max_new_tokens=40, stop_token_ids=[]).token_ids == reference
     assert hybrid.rounds_by_source["free"] > 0 and hybrid.rounds_by_source["draft-model"] > 0
+
+
+class FixedDraft:
+    """A model-free drafter that always proposes one chain with the given per-token probabilities."""
+
+    name, model_free = "fixed", True
+
+    def __init__(self, probs: list[float]) -> None:
+        self.probs = probs
+
+    def start(self, rid, prompt, params, session_id=None):
+        pass
+
+    def propose(self, rid, context, budget):
+        return Draft.chain([7] * len(self.probs), list(self.probs))
+
+    def observe(self, rid, accepted, proposed):
+        pass
+
+    def finish(self, rid):
+        pass
+
+
+def test_hybrid_picks_the_source_that_promises_more_tokens_per_second(tiny_engine_factory) -> None:
+    small = DraftModelDrafter(tiny_engine_factory("qwen2", seed=1))
+    free = FixedDraft([0.9, 0.9, 0.6])  # score 2.4: promises 3.4 tokens
+    hybrid = HybridDrafter(free, small, min_score=2.0)
+    hybrid.start("r", [1, 2, 3], SamplingParams())
+    assert hybrid.propose("r", [1, 2, 3], 4).source == ""  # untimed: the score rule (2.4 >= 2)
+    hybrid.observe("r", [7, 7, 7], Draft())
+    assert hybrid.rates["free"].rounds == 1 and hybrid.rates["free"].seconds > 0
+    hybrid.rates["free"] = RoundRate(tokens=3.0, seconds=1.0, rounds=5)
+    hybrid.rates["draft-model"] = RoundRate(tokens=5.0, seconds=1.0, rounds=5)  # 5 tokens/s against 3.4
+    assert hybrid.propose("r", [1, 2, 3], 4).source == "draft-model"
+    hybrid.observe("r", [4, 5], Draft())
+    model = hybrid.rates["draft-model"]
+    assert model.rounds == 6 and model.tokens == pytest.approx(5.0 + 0.1 * (2 - 5.0))
+    hybrid.rates["draft-model"] = RoundRate(tokens=3.0, seconds=1.0, rounds=5)  # 3 tokens/s: the free draft wins
+    assert hybrid.propose("r", [1, 2, 3], 4).source == ""
+    hybrid.finish("r")
+    with pytest.raises(ValueError, match="smoothing"):
+        HybridDrafter(free, small, smoothing=0.0)

@@ -1,5 +1,5 @@
-"""Drafters that run a small model: `DraftModelDrafter`, and `HybridDrafter` (a model-free draft when it is
-confident, else the small model's).
+"""Drafters that run a small model: `DraftModelDrafter`, and `HybridDrafter` (a model-free draft or the small
+model's, whichever promises more tokens per second).
 
 Split from drafters.py (which re-exports these names). What makes a small-model draft pay on a CPU,
 where each drafted token is a whole forward of the small model:
@@ -13,6 +13,7 @@ where each drafted token is a whole forward of the small model:
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -64,6 +65,7 @@ class DraftModelDrafter:
         self.vocab = None if head is None or vocab >= engine.vocab_size else DraftVocab(head, engine.vocab_size, vocab)
         self._live: dict[Hashable, _ModelRequest] = {}
         self._saved: OrderedDict[Hashable, _ModelRequest] = OrderedDict()  # session id -> its last request
+        self.last_read: tuple[int, float] = (0, 0.0)  # the last draft's tokens read before drafting, and seconds
         self._generator = torch.Generator().manual_seed(seed)
 
     def start(
@@ -92,7 +94,9 @@ class DraftModelDrafter:
         if vocab is not None:
             vocab.update(context)
             head = vocab.logits
+        began = time.perf_counter()
         logits = self.engine.forward(session, list(context[keep:]), last_only=True, head=head)
+        self.last_read = (len(context) - keep, time.perf_counter() - began)
         fed.extend(context[keep:])
         tokens: list[int] = []
         q_rows: list[torch.Tensor] = []
@@ -115,6 +119,13 @@ class DraftModelDrafter:
         q = torch.stack(q_rows) if q_rows else None
         return Draft.chain(tokens, probs, source=self.name, q=q)
 
+    def unread(self, rid: Hashable, context: Sequence[int]) -> int:
+        """How many tokens of `context` a draft would read before drafting (those past the small model's KV)."""
+        live = self._live.get(rid)
+        if live is None:
+            raise ValueError(f"request {rid!r} was not started")
+        return len(context) - common_prefix_len(live.fed, context, limit=len(context) - 1)
+
     def observe(self, rid: Hashable, accepted: Sequence[int], proposed: Draft) -> None:
         pass  # the next propose re-syncs the KV cache to the committed context
 
@@ -131,12 +142,44 @@ class DraftModelDrafter:
         self._saved.pop(session_id, None)
 
 
-class HybridDrafter:
-    """Per round: the model-free draft if its score reaches `min_score`, else the draft model.
+# From this many tokens the small model reads before drafting (a prompt, a catch-up) its reading is timed apart
+# from the round, per token; fewer (the last round's bonus token and unread draft) belong to the round.
+READ_TIMED_FROM = 8
 
-    A model-free draft's score is its expected number of accepted tokens, so a high
-    score means a confident, free guess; otherwise the draft model's (costly but
-    broadly right) guess is worth its time.
+
+@dataclass(slots=True)
+class RoundRate:
+    """Moving averages of one draft source's rounds: tokens committed per round, and its seconds from the
+    draft's start to the next round (drafting, verification and the decoder's bookkeeping)."""
+
+    tokens: float = 0.0
+    seconds: float = 0.0
+    rounds: int = 0
+
+    def update(self, tokens: int, seconds: float, smoothing: float) -> None:
+        if self.rounds == 0:
+            self.tokens, self.seconds = float(tokens), seconds
+        else:
+            self.tokens += smoothing * (tokens - self.tokens)
+            self.seconds += smoothing * (seconds - self.seconds)
+        self.rounds += 1
+
+    @property
+    def goodput(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+class HybridDrafter:
+    """Per round: the model-free draft, or the draft model's, whichever promises more tokens per second.
+
+    A model-free draft's score is its expected number of accepted tokens, so it promises (score + 1)
+    tokens in the seconds a model-free round has been taking; a draft-model round promises what its
+    rounds have been committing, in their seconds (the small model's forwards included), plus the
+    time the small model takes to read the tokens committed since it last drafted (after a run of
+    model-free rounds: a rewrite that copies a whole answer leaves it hundreds behind). Until both
+    kinds of round have been timed, the model-free draft is taken when its score reaches `min_score`.
+    The averages are the drafter's (every request's rounds teach them), like the combined drafter's
+    acceptance rates; a request's own state is only when its round began.
     """
 
     def __init__(
@@ -145,14 +188,25 @@ class HybridDrafter:
         model: DraftModelDrafter,
         min_score: float = 2.0,
         model_max_tokens: int | None = None,
+        smoothing: float = 0.1,
     ) -> None:
+        if not 0.0 < smoothing <= 1.0:
+            raise ValueError(f"smoothing must be in (0, 1], got {smoothing}")
         self.free = free  # a model-free drafter: SuffixDrafter, CombinedDrafter, ...
         self.model = model
         self.min_score = min_score
         self.model_max_tokens = model_max_tokens  # model drafts cost per token: cap them separately
+        self.smoothing = smoothing
         self.name = "hybrid"
         self.model_free = False
-        self.rounds_by_source = {"free": 0, "draft-model": 0}
+        self.rates = {"free": RoundRate(), "draft-model": RoundRate()}  # model rounds: without the reading
+        self.read_seconds = 0.0  # per token the small model reads before drafting (a moving average)
+        self._read: dict[Hashable, float] = {}  # rid -> seconds this round's model draft spent reading
+        self._round: dict[Hashable, tuple[str, float]] = {}  # rid -> (this round's source, when its draft began)
+
+    @property
+    def rounds_by_source(self) -> dict[str, int]:
+        return {source: rate.rounds for source, rate in self.rates.items()}
 
     def start(
         self, rid: Hashable, prompt_ids: Sequence[int], params: SamplingParams, session_id: Hashable | None = None
@@ -161,19 +215,40 @@ class HybridDrafter:
         self.model.start(rid, prompt_ids, params, session_id=session_id)
 
     def propose(self, rid: Hashable, context: Sequence[int], budget: int) -> Draft:
+        began = time.perf_counter()
         draft = self.free.propose(rid, context, budget)
-        if draft.score >= min(self.min_score, budget) and len(draft):
-            self.rounds_by_source["free"] += 1
+        if len(draft) and self._prefers_free(rid, context, draft, budget):
+            self._round[rid] = ("free", began)
             return draft
-        self.rounds_by_source["draft-model"] += 1
+        self._round[rid] = ("draft-model", began)
         if self.model_max_tokens is not None:
             budget = min(budget, self.model_max_tokens)
-        return self.model.propose(rid, context, budget)
+        proposed = self.model.propose(rid, context, budget)
+        tokens, seconds = self.model.last_read
+        if tokens >= READ_TIMED_FROM:  # a catch-up (or a prompt): timed apart from the round
+            self._read[rid] = seconds
+            rate = seconds / tokens
+            self.read_seconds = rate if not self.read_seconds else self.read_seconds + self.smoothing * (rate - self.read_seconds)
+        return proposed
+
+    def _prefers_free(self, rid: Hashable, context: Sequence[int], draft: Draft, budget: int) -> bool:
+        free, model = self.rates["free"], self.rates["draft-model"]
+        if free.rounds and model.rounds and free.seconds > 0:
+            unread = self.model.unread(rid, context)
+            model_seconds = model.seconds + (unread * self.read_seconds if unread >= READ_TIMED_FROM else 0.0)
+            return (draft.score + 1) / free.seconds >= model.tokens / model_seconds
+        return draft.score >= min(self.min_score, budget)
 
     def observe(self, rid: Hashable, accepted: Sequence[int], proposed: Draft) -> None:
         self.free.observe(rid, accepted, proposed)
         self.model.observe(rid, accepted, proposed)
+        source, began = self._round.pop(rid, (None, 0.0))
+        if source is not None:
+            reading = self._read.pop(rid, 0.0) if source == "draft-model" else 0.0
+            self.rates[source].update(len(accepted), time.perf_counter() - began - reading, self.smoothing)
 
     def finish(self, rid: Hashable) -> None:
+        self._round.pop(rid, None)
+        self._read.pop(rid, None)
         self.free.finish(rid)
         self.model.finish(rid)
