@@ -79,7 +79,8 @@ class AdaptiveController:
     With per-token acceptance rate a, a draft of k tokens yields on average
     E(k) = (1 - a^(k+1)) / (1 - a) tokens per verify pass; the pass costs c(k),
     the measured time to verify k draft tokens (an exponential moving average per
-    k, seeded with `cost_slope` until measured). The budget is argmax E(k) / c(k).
+    k; an unmeasured k costs what the least-squares line through the measured ones says, or, before two
+    are measured, what `cost_slope` says). The budget is argmax E(k) / c(k).
     """
 
     def __init__(
@@ -103,6 +104,13 @@ class AdaptiveController:
     def _cost_of(self, k: int) -> float:
         if k in self._cost:
             return self._cost[k]
+        if len(self._cost) >= 2:  # the line through the measured costs (a CPU's verify cost grows ~linearly)
+            n = len(self._cost)
+            mean_k = sum(self._cost) / n
+            mean_t = sum(self._cost.values()) / n
+            var = sum((x - mean_k) ** 2 for x in self._cost)
+            slope = max(0.0, sum((x - mean_k) * (t - mean_t) for x, t in self._cost.items()) / var)
+            return max(mean_t + slope * (k - mean_k), min(self._cost.values()))
         base = self._cost.get(0)
         if base is None and self._cost:
             k0, t0 = min(self._cost.items())

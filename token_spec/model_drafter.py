@@ -32,6 +32,7 @@ class _ModelRequest:
     params: SamplingParams
     vocab: RequestVocab | None
     session_id: Hashable | None
+    read: tuple[int, float] = (0, 0.0)  # the last draft's tokens read before drafting, and its seconds
 
 
 class DraftModelDrafter:
@@ -65,7 +66,6 @@ class DraftModelDrafter:
         self.vocab = None if head is None or vocab >= engine.vocab_size else DraftVocab(head, engine.vocab_size, vocab)
         self._live: dict[Hashable, _ModelRequest] = {}
         self._saved: OrderedDict[Hashable, _ModelRequest] = OrderedDict()  # session id -> its last request
-        self.last_read: tuple[int, float] = (0, 0.0)  # the last draft's tokens read before drafting, and seconds
         self._generator = torch.Generator().manual_seed(seed)
 
     def start(
@@ -81,9 +81,7 @@ class DraftModelDrafter:
     def propose(self, rid: Hashable, context: Sequence[int], budget: int) -> Draft:
         import torch
 
-        live = self._live.get(rid)
-        if live is None:
-            raise ValueError(f"request {rid!r} was not started")
+        live = self._request(rid)
         if budget <= 0 or not context:
             return Draft(source=self.name)
         fed, session, vocab = live.fed, live.session, live.vocab
@@ -96,7 +94,7 @@ class DraftModelDrafter:
             head = vocab.logits
         began = time.perf_counter()
         logits = self.engine.forward(session, list(context[keep:]), last_only=True, head=head)
-        self.last_read = (len(context) - keep, time.perf_counter() - began)
+        live.read = (len(context) - keep, time.perf_counter() - began)
         fed.extend(context[keep:])
         tokens: list[int] = []
         q_rows: list[torch.Tensor] = []
@@ -121,10 +119,17 @@ class DraftModelDrafter:
 
     def unread(self, rid: Hashable, context: Sequence[int]) -> int:
         """How many tokens of `context` a draft would read before drafting (those past the small model's KV)."""
+        return len(context) - common_prefix_len(self._request(rid).fed, context, limit=len(context) - 1)
+
+    def last_read(self, rid: Hashable) -> tuple[int, float]:
+        """The tokens request `rid`'s last draft read before drafting, and the seconds that took."""
+        return self._request(rid).read
+
+    def _request(self, rid: Hashable) -> _ModelRequest:
         live = self._live.get(rid)
         if live is None:
             raise ValueError(f"request {rid!r} was not started")
-        return len(context) - common_prefix_len(live.fed, context, limit=len(context) - 1)
+        return live
 
     def observe(self, rid: Hashable, accepted: Sequence[int], proposed: Draft) -> None:
         pass  # the next propose re-syncs the KV cache to the committed context
@@ -224,7 +229,7 @@ class HybridDrafter:
         if self.model_max_tokens is not None:
             budget = min(budget, self.model_max_tokens)
         proposed = self.model.propose(rid, context, budget)
-        tokens, seconds = self.model.last_read
+        tokens, seconds = self.model.last_read(rid)
         if tokens >= READ_TIMED_FROM:  # a catch-up (or a prompt): timed apart from the round
             self._read[rid] = seconds
             rate = seconds / tokens

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-MAX_DRAFT = 16  # draft tokens per verify round at most: the default of the config, LocalModel, build_decoder, simulate
+MAX_DRAFT = 32  # draft tokens per verify round at most: the default of the config, LocalModel, build_decoder, simulate
+# (1.5B on 2 CPU cores, self-refine rewrites: 32 makes them ~15% faster than 16; the adaptive controller
+# picks shorter drafts wherever acceptance or the verify cost calls for them)
 
 MODEL_FREE_KINDS = ("suffix", "suffix-tree", "prompt-lookup", "prompt-lookup-recent", "combined")
 MODEL_DRAFT_KINDS = ("draft-model", "hybrid")  # these need a second (draft) model
