@@ -9,13 +9,13 @@ from thinkahead.token_spec.controller import AdaptiveController
 
 def test_unmeasured_draft_lengths_cost_what_the_line_through_the_measured_ones_says() -> None:
     controller = AdaptiveController(32, smoothing=1.0)
-    assert controller._cost_of(16) == pytest.approx(1.0 + 0.03 * 16)  # nothing measured: the prior slope
+    assert controller.cost(16) == pytest.approx(1.0 + 0.03 * 16)  # nothing measured: the prior slope
     controller.update(0, 0, fed=1, seconds=0.070)  # a plain step
-    assert controller._cost_of(16) == pytest.approx(0.070 * (1 + 0.03 * 16))
+    assert controller.cost(16) == pytest.approx(0.070 * (1 + 0.03 * 16))
     controller.update(4, 4, fed=5, seconds=0.105)  # a CPU: verifying 4 drafted tokens costs half a step more
-    assert controller._cost_of(8) == pytest.approx(0.140)
-    assert controller._cost_of(16) == pytest.approx(0.210)
-    assert controller._cost_of(4) == pytest.approx(0.105)  # measured lengths keep their own cost
+    assert controller.cost(8) == pytest.approx(0.140)
+    assert controller.cost(16) == pytest.approx(0.210)
+    assert controller.cost(4) == pytest.approx(0.105)  # measured lengths keep their own cost
 
 
 def test_a_steep_verify_cost_keeps_drafts_shorter_than_the_prior_would() -> None:
@@ -30,4 +30,4 @@ def test_a_steep_verify_cost_keeps_drafts_shorter_than_the_prior_would() -> None
     falling = AdaptiveController(32, smoothing=1.0)  # a noisy measurement never makes longer drafts cheaper
     falling.update(0, 0, fed=1, seconds=0.070)
     falling.update(2, 2, fed=3, seconds=0.060)
-    assert falling._cost_of(30) >= 0.060
+    assert falling.cost(30) >= 0.060

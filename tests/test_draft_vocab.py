@@ -16,7 +16,7 @@ import torch
 from thinkahead.models import gguf_native, kquant
 from thinkahead.models.exact_attention import IMPLEMENTATION as EXACT_ATTENTION
 from thinkahead.token_spec.backends.hf import HFEngine
-from thinkahead.token_spec.controller import FixedController
+from thinkahead.token_spec.controller import CostCurve, FixedController
 from thinkahead.token_spec.decoder import SpeculativeDecoder, plain_greedy
 from thinkahead.token_spec.draft_vocab import DraftVocab, output_rows
 from thinkahead.token_spec.draft import Draft
@@ -208,13 +208,22 @@ def test_hybrid_picks_the_source_that_promises_more_tokens_per_second(tiny_engin
     assert hybrid.propose("r", [1, 2, 3], 4).source == ""  # untimed: the score rule (2.4 >= 2)
     hybrid.observe("r", [7, 7, 7], Draft())
     assert hybrid.rates["free"].rounds == 1 and hybrid.rates["free"].seconds > 0
-    hybrid.rates["free"] = RoundRate(tokens=3.0, seconds=1.0, rounds=5)
-    hybrid.rates["draft-model"] = RoundRate(tokens=5.0, seconds=1.0, rounds=5)  # 5 tokens/s against 3.4
+    assert hybrid.free_cost.measured.keys() == {3}
+    hybrid.free_cost = CostCurve(1.0, 0.1)
+    hybrid.free_cost.update(3, 1.0)  # a 3-token model-free round takes a second: it promises 3.4 tokens/s
+    hybrid.rates["draft-model"] = RoundRate(tokens=5.0, seconds=1.0, rounds=5)  # 5 tokens/s
     assert hybrid.propose("r", [1, 2, 3], 4).source == "draft-model"
     hybrid.observe("r", [4, 5], Draft())
     model = hybrid.rates["draft-model"]
     assert model.rounds == 6 and model.tokens == pytest.approx(5.0 + 0.1 * (2 - 5.0))
     hybrid.rates["draft-model"] = RoundRate(tokens=3.0, seconds=1.0, rounds=5)  # 3 tokens/s: the free draft wins
+    assert hybrid.propose("r", [1, 2, 3], 4).source == ""
+    hybrid.observe("r", [7], Draft())
+    # the cost is the draft length's: 3-token rounds cheap, 16-token rounds dear, a 3-token draft wins again
+    hybrid.free_cost = CostCurve(1.0, 0.1)
+    hybrid.free_cost.update(3, 0.3)
+    hybrid.free_cost.update(16, 1.0)
+    hybrid.rates["draft-model"] = RoundRate(tokens=5.0, seconds=1.0, rounds=5)
     assert hybrid.propose("r", [1, 2, 3], 4).source == ""
     hybrid.finish("r")
     with pytest.raises(ValueError, match="smoothing"):

@@ -73,6 +73,43 @@ class MatchLengthController(FixedController):
         return draft.truncated(max(cap, 0))
 
 
+class CostCurve:
+    """Seconds of a round by its size k (draft tokens): a moving average for every size measured; any other
+    size costs what the least-squares line through the measured ones says (a CPU's verify cost grows about
+    linearly with k), or, before two sizes are measured, the measured one (else 1.0) scaled by `prior_slope`
+    per token."""
+
+    def __init__(self, smoothing: float, prior_slope: float) -> None:
+        self.smoothing = smoothing
+        self.prior_slope = prior_slope
+        self.measured: dict[int, float] = {}
+        self._line: tuple[float, float, float] | None = None  # mean k, mean seconds, slope; None: to refit
+
+    def update(self, k: int, seconds: float) -> None:
+        old = self.measured.get(k)
+        self.measured[k] = seconds if old is None else old + self.smoothing * (seconds - old)
+        self._line = None
+
+    def __call__(self, k: int) -> float:
+        measured = self.measured
+        if k in measured:
+            return measured[k]
+        if len(measured) >= 2:
+            if self._line is None:
+                n = len(measured)
+                mean_k, mean_t = sum(measured) / n, sum(measured.values()) / n
+                var = sum((x - mean_k) ** 2 for x in measured)
+                slope = max(0.0, sum((x - mean_k) * (t - mean_t) for x, t in measured.items()) / var)
+                self._line = (mean_k, mean_t, slope)
+            mean_k, mean_t, slope = self._line
+            return max(mean_t + slope * (k - mean_k), min(measured.values()))  # never cheaper than any measured
+        base = measured.get(0)
+        if base is None and measured:
+            k0, t0 = next(iter(measured.items()))
+            base = t0 / (1 + self.prior_slope * k0)
+        return (base or 1.0) * (1 + self.prior_slope * k)
+
+
 class AdaptiveController:
     """Goodput-maximising budget from online acceptance and verification-cost estimates.
 
@@ -99,31 +136,15 @@ class AdaptiveController:
         self.accept_rate = initial_accept_rate
         self.cost_slope = cost_slope
         self.name = "adaptive"
-        self._cost: dict[int, float] = {}  # draft tokens -> seconds per verify pass (EMA)
-
-    def _cost_of(self, k: int) -> float:
-        if k in self._cost:
-            return self._cost[k]
-        if len(self._cost) >= 2:  # the line through the measured costs (a CPU's verify cost grows ~linearly)
-            n = len(self._cost)
-            mean_k = sum(self._cost) / n
-            mean_t = sum(self._cost.values()) / n
-            var = sum((x - mean_k) ** 2 for x in self._cost)
-            slope = max(0.0, sum((x - mean_k) * (t - mean_t) for x, t in self._cost.items()) / var)
-            return max(mean_t + slope * (k - mean_k), min(self._cost.values()))
-        base = self._cost.get(0)
-        if base is None and self._cost:
-            k0, t0 = min(self._cost.items())
-            base = t0 / (1 + self.cost_slope * k0)
-        return (base or 1.0) * (1 + self.cost_slope * k)
+        self.cost = CostCurve(smoothing, cost_slope)  # draft tokens -> seconds per verify pass
 
     def budget(self) -> int:
         a = min(self.accept_rate, 0.999)
-        best_k, best_rate = 0, 1.0 / self._cost_of(0)
+        best_k, best_rate = 0, 1.0 / self.cost(0)
         expected = 1.0
         for k in range(1, self.max_tokens + 1):
             expected += a ** k
-            rate = expected / self._cost_of(k)
+            rate = expected / self.cost(k)
             if rate > best_rate:
                 best_k, best_rate = k, rate
         return best_k
@@ -138,6 +159,4 @@ class AdaptiveController:
             rate = accepted / tries
             self.accept_rate += self.smoothing * (rate - self.accept_rate)
         if fed is not None and seconds is not None:
-            k = fed - 1
-            old = self._cost.get(k)
-            self._cost[k] = seconds if old is None else old + self.smoothing * (seconds - old)
+            self.cost.update(fed - 1, seconds)

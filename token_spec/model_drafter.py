@@ -19,6 +19,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from thinkahead.token_spec.controller import CostCurve
 from thinkahead.token_spec.draft import Draft
 from thinkahead.token_spec.draft_vocab import DraftVocab, RequestVocab
 from thinkahead.token_spec.names import common_prefix_len
@@ -150,6 +151,7 @@ class DraftModelDrafter:
 # From this many tokens the small model reads before drafting (a prompt, a catch-up) its reading is timed apart
 # from the round, per token; fewer (the last round's bonus token and unread draft) belong to the round.
 READ_TIMED_FROM = 8
+FREE_COST_PRIOR_SLOPE = 0.1  # until two lengths are timed: a CPU verifies k more tokens in ~(1 + 0.1 k) the time
 
 
 @dataclass(slots=True)
@@ -178,7 +180,8 @@ class HybridDrafter:
     """Per round: the model-free draft, or the draft model's, whichever promises more tokens per second.
 
     A model-free draft's score is its expected number of accepted tokens, so it promises (score + 1)
-    tokens in the seconds a model-free round has been taking; a draft-model round promises what its
+    tokens in the seconds model-free rounds of its length have been taking (a `CostCurve`: a short
+    draft verifies in a fraction of a long one's time on a CPU); a draft-model round promises what its
     rounds have been committing, in their seconds (the small model's forwards included), plus the
     time the small model takes to read the tokens committed since it last drafted (after a run of
     model-free rounds: a rewrite that copies a whole answer leaves it hundreds behind). Until both
@@ -205,9 +208,10 @@ class HybridDrafter:
         self.name = "hybrid"
         self.model_free = False
         self.rates = {"free": RoundRate(), "draft-model": RoundRate()}  # model rounds: without the reading
+        self.free_cost = CostCurve(smoothing, FREE_COST_PRIOR_SLOPE)  # a model-free round's seconds by draft length
         self.read_seconds = 0.0  # per token the small model reads before drafting (a moving average)
         self._read: dict[Hashable, float] = {}  # rid -> seconds this round's model draft spent reading
-        self._round: dict[Hashable, tuple[str, float]] = {}  # rid -> (this round's source, when its draft began)
+        self._round: dict[Hashable, tuple[str, float, int]] = {}  # rid -> (source, when its draft began, its length)
 
     @property
     def rounds_by_source(self) -> dict[str, int]:
@@ -223,9 +227,9 @@ class HybridDrafter:
         began = time.perf_counter()
         draft = self.free.propose(rid, context, budget)
         if len(draft) and self._prefers_free(rid, context, draft, budget):
-            self._round[rid] = ("free", began)
+            self._round[rid] = ("free", began, len(draft))
             return draft
-        self._round[rid] = ("draft-model", began)
+        self._round[rid] = ("draft-model", began, 0)
         if self.model_max_tokens is not None:
             budget = min(budget, self.model_max_tokens)
         proposed = self.model.propose(rid, context, budget)
@@ -238,19 +242,22 @@ class HybridDrafter:
 
     def _prefers_free(self, rid: Hashable, context: Sequence[int], draft: Draft, budget: int) -> bool:
         free, model = self.rates["free"], self.rates["draft-model"]
-        if free.rounds and model.rounds and free.seconds > 0:
+        if free.rounds and model.rounds and model.seconds > 0:
             unread = self.model.unread(rid, context)
             model_seconds = model.seconds + (unread * self.read_seconds if unread >= READ_TIMED_FROM else 0.0)
-            return (draft.score + 1) / free.seconds >= model.tokens / model_seconds
+            return (draft.score + 1) / self.free_cost(len(draft)) >= model.tokens / model_seconds
         return draft.score >= min(self.min_score, budget)
 
     def observe(self, rid: Hashable, accepted: Sequence[int], proposed: Draft) -> None:
         self.free.observe(rid, accepted, proposed)
         self.model.observe(rid, accepted, proposed)
-        source, began = self._round.pop(rid, (None, 0.0))
+        source, began, length = self._round.pop(rid, (None, 0.0, 0))
         if source is not None:
             reading = self._read.pop(rid, 0.0) if source == "draft-model" else 0.0
-            self.rates[source].update(len(accepted), time.perf_counter() - began - reading, self.smoothing)
+            seconds = time.perf_counter() - began - reading
+            self.rates[source].update(len(accepted), seconds, self.smoothing)
+            if source == "free":
+                self.free_cost.update(length, seconds)
 
     def finish(self, rid: Hashable) -> None:
         self._round.pop(rid, None)
