@@ -77,17 +77,30 @@ class CostCurve:
     """Seconds of a round by its size k (draft tokens): a moving average for every size measured; any other
     size costs what the least-squares line through the measured ones says (a CPU's verify cost grows about
     linearly with k), or, before two sizes are measured, the measured one (else 1.0) scaled by `prior_slope`
-    per token."""
+    per token.
 
-    def __init__(self, smoothing: float, prior_slope: float) -> None:
+    A size not measured in the last `max_age` measurements is forgotten: a cost taken while the machine
+    was busy would otherwise keep that size from ever being chosen, hence measured, again.
+    """
+
+    def __init__(self, smoothing: float, prior_slope: float, max_age: int = 64) -> None:
+        if max_age < 1:
+            raise ValueError(f"max_age must be >= 1, got {max_age}")
         self.smoothing = smoothing
         self.prior_slope = prior_slope
+        self.max_age = max_age
         self.measured: dict[int, float] = {}
+        self._when: dict[int, int] = {}  # size -> the count of measurements at its last one
+        self._count = 0
         self._line: tuple[float, float, float] | None = None  # mean k, mean seconds, slope; None: to refit
 
     def update(self, k: int, seconds: float) -> None:
         old = self.measured.get(k)
         self.measured[k] = seconds if old is None else old + self.smoothing * (seconds - old)
+        self._count += 1
+        self._when[k] = self._count
+        for stale in [size for size, when in self._when.items() if self._count - when >= self.max_age]:
+            del self.measured[stale], self._when[stale]
         self._line = None
 
     def __call__(self, k: int) -> float:
