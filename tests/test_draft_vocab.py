@@ -216,9 +216,17 @@ def test_hybrid_picks_the_source_that_promises_more_tokens_per_second(tiny_engin
     hybrid.observe("r", [4, 5], Draft())
     model = hybrid.rates["draft-model"]
     assert model.rounds == 6 and model.tokens == pytest.approx(5.0 + 0.1 * (2 - 5.0))
+    hybrid.rates["free"], hybrid.free_promised = RoundRate(tokens=3.4, seconds=1.0, rounds=5), 3.4  # promises kept
     hybrid.rates["draft-model"] = RoundRate(tokens=3.0, seconds=1.0, rounds=5)  # 3 tokens/s: the free draft wins
     assert hybrid.propose("r", [1, 2, 3], 4).source == ""
     hybrid.observe("r", [7], Draft())
+    hybrid.free_cost = CostCurve(1.0, 0.1)
+    hybrid.free_cost.update(3, 1.0)
+    # model-free rounds that kept only half their promises: 1.7 tokens/s against 3
+    hybrid.rates["free"], hybrid.free_promised = RoundRate(tokens=2.0, seconds=1.0, rounds=5), 4.0
+    assert hybrid.propose("r", [1, 2, 3], 4).source == "draft-model"
+    hybrid.observe("r", [4], Draft())
+    hybrid.rates["free"], hybrid.free_promised = RoundRate(tokens=3.4, seconds=1.0, rounds=5), 3.4
     # the cost is the draft length's: 3-token rounds cheap, 16-token rounds dear, a 3-token draft wins again
     hybrid.free_cost = CostCurve(1.0, 0.1)
     hybrid.free_cost.update(3, 0.3)

@@ -180,8 +180,10 @@ class HybridDrafter:
     """Per round: the model-free draft, or the draft model's, whichever promises more tokens per second.
 
     A model-free draft's score is its expected number of accepted tokens, so it promises (score + 1)
-    tokens in the seconds model-free rounds of its length have been taking (a `CostCurve`: a short
-    draft verifies in a fraction of a long one's time on a CPU); a draft-model round promises what its
+    tokens, times how far model-free rounds have kept such promises (their tokens over their promises:
+    scores run high where little repeats), in the seconds model-free rounds of its length have been
+    taking (a `CostCurve`: a short draft verifies in a fraction of a long one's time on a CPU); a
+    draft-model round promises what its
     rounds have been committing, in their seconds (the small model's forwards included), plus the
     time the small model takes to read the tokens committed since it last drafted (after a run of
     model-free rounds: a rewrite that copies a whole answer leaves it hundreds behind). Until both
@@ -209,9 +211,10 @@ class HybridDrafter:
         self.model_free = False
         self.rates = {"free": RoundRate(), "draft-model": RoundRate()}  # model rounds: without the reading
         self.free_cost = CostCurve(smoothing, FREE_COST_PRIOR_SLOPE)  # a model-free round's seconds by draft length
+        self.free_promised = 0.0  # model-free rounds' (score + 1), a moving average beside rates["free"].tokens
         self.read_seconds = 0.0  # per token the small model reads before drafting (a moving average)
         self._read: dict[Hashable, float] = {}  # rid -> seconds this round's model draft spent reading
-        self._round: dict[Hashable, tuple[str, float, int]] = {}  # rid -> (source, when its draft began, its length)
+        self._round: dict[Hashable, tuple[str, float, Draft]] = {}  # rid -> (source, when its draft began, the draft)
 
     @property
     def rounds_by_source(self) -> dict[str, int]:
@@ -227,9 +230,9 @@ class HybridDrafter:
         began = time.perf_counter()
         draft = self.free.propose(rid, context, budget)
         if len(draft) and self._prefers_free(rid, context, draft, budget):
-            self._round[rid] = ("free", began, len(draft))
+            self._round[rid] = ("free", began, draft)
             return draft
-        self._round[rid] = ("draft-model", began, 0)
+        self._round[rid] = ("draft-model", began, draft)
         if self.model_max_tokens is not None:
             budget = min(budget, self.model_max_tokens)
         proposed = self.model.propose(rid, context, budget)
@@ -245,19 +248,24 @@ class HybridDrafter:
         if free.rounds and model.rounds and model.seconds > 0:
             unread = self.model.unread(rid, context)
             model_seconds = model.seconds + (unread * self.read_seconds if unread >= READ_TIMED_FROM else 0.0)
-            return (draft.score + 1) / self.free_cost(len(draft)) >= model.tokens / model_seconds
+            kept = free.tokens / self.free_promised if self.free_promised > 0 else 1.0
+            return kept * (draft.score + 1) / self.free_cost(len(draft)) >= model.tokens / model_seconds
         return draft.score >= min(self.min_score, budget)
 
     def observe(self, rid: Hashable, accepted: Sequence[int], proposed: Draft) -> None:
         self.free.observe(rid, accepted, proposed)
         self.model.observe(rid, accepted, proposed)
-        source, began, length = self._round.pop(rid, (None, 0.0, 0))
+        source, began, free_draft = self._round.pop(rid, (None, 0.0, None))
         if source is not None:
             reading = self._read.pop(rid, 0.0) if source == "draft-model" else 0.0
             seconds = time.perf_counter() - began - reading
-            self.rates[source].update(len(accepted), seconds, self.smoothing)
-            if source == "free":
-                self.free_cost.update(length, seconds)
+            rate = self.rates[source]
+            if source == "free" and free_draft is not None:
+                promised = free_draft.score + 1
+                self.free_promised = promised if not rate.rounds else self.free_promised + self.smoothing * (
+                    promised - self.free_promised)
+                self.free_cost.update(len(free_draft), seconds)
+            rate.update(len(accepted), seconds, self.smoothing)
 
     def finish(self, rid: Hashable) -> None:
         self._round.pop(rid, None)
