@@ -236,3 +236,20 @@ def test_hybrid_picks_the_source_that_promises_more_tokens_per_second(tiny_engin
     hybrid.finish("r")
     with pytest.raises(ValueError, match="smoothing"):
         HybridDrafter(free, small, smoothing=0.0)
+
+
+@pytest.mark.parametrize("kind", ["draft-model", "hybrid"])
+def test_the_named_setups_build_the_small_model_drafter_with_the_preset_settings(kind, tiny_engine_factory) -> None:
+    from thinkahead.token_spec import presets
+
+    engine = tiny_engine_factory("qwen2")
+    decoder = presets.build_decoder(kind, engine, draft_engine=tiny_engine_factory("qwen2", seed=1))
+    small = decoder.drafter if kind == "draft-model" else decoder.drafter.model
+    assert isinstance(small, DraftModelDrafter) and small.min_prob == presets.MODEL_DRAFT_MIN_PROB
+    assert small.vocab is None  # the tiny vocabulary (160) is below MODEL_DRAFT_VOCAB: the whole head
+    if kind == "hybrid":
+        assert isinstance(decoder.drafter.free, CombinedDrafter) and decoder.drafter.min_score == presets.HYBRID_MIN_SCORE
+    prompt = repetitive_prompt(2)
+    assert decoder.generate(prompt, max_new_tokens=30, stop_token_ids=[]).token_ids == plain_greedy(engine, prompt, 30)
+    with pytest.raises(ValueError, match="needs a draft model engine"):
+        presets.build_decoder(kind, engine)
