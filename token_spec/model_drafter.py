@@ -171,10 +171,6 @@ class RoundRate:
             self.seconds += smoothing * (seconds - self.seconds)
         self.rounds += 1
 
-    @property
-    def goodput(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
-
 
 class HybridDrafter:
     """Per round: the model-free draft, or the draft model's, whichever promises more tokens per second.
@@ -182,12 +178,12 @@ class HybridDrafter:
     A model-free draft's score is its expected number of accepted tokens, so it promises (score + 1)
     tokens, times how far model-free rounds have kept such promises (their tokens over their promises:
     scores run high where little repeats), in the seconds model-free rounds of its length have been
-    taking (a `CostCurve`: a short draft verifies in a fraction of a long one's time on a CPU); a
-    draft-model round promises what its
-    rounds have been committing, in their seconds (the small model's forwards included), plus the
-    time the small model takes to read the tokens committed since it last drafted (after a run of
-    model-free rounds: a rewrite that copies a whole answer leaves it hundreds behind). Until both
-    kinds of round have been timed, the model-free draft is taken when its score reaches `min_score`.
+    taking (a `CostCurve`: a short draft verifies in a fraction of a long one's time on a CPU). A
+    draft-model round promises what its rounds have been committing, in their seconds (the small
+    model's forwards included), plus the time the small model takes to read the tokens committed since
+    it last drafted (after a run of model-free rounds: a rewrite that copies a whole answer leaves it
+    hundreds behind). Until both kinds of round have been timed, the model-free draft is taken when
+    its score reaches `min_score`.
     The averages are the drafter's (every request's rounds teach them), like the combined drafter's
     acceptance rates; a request's own state is only when its round began.
     """
@@ -214,7 +210,8 @@ class HybridDrafter:
         self.free_promised = 0.0  # model-free rounds' (score + 1), a moving average beside rates["free"].tokens
         self.read_seconds = 0.0  # per token the small model reads before drafting (a moving average)
         self._read: dict[Hashable, float] = {}  # rid -> seconds this round's model draft spent reading
-        self._round: dict[Hashable, tuple[str, float, Draft]] = {}  # rid -> (source, when its draft began, the draft)
+        # rid -> (this round's source, when its draft began, the model-free draft it took or None)
+        self._round: dict[Hashable, tuple[str, float, Draft | None]] = {}
 
     @property
     def rounds_by_source(self) -> dict[str, int]:
@@ -232,7 +229,7 @@ class HybridDrafter:
         if len(draft) and self._prefers_free(rid, context, draft, budget):
             self._round[rid] = ("free", began, draft)
             return draft
-        self._round[rid] = ("draft-model", began, draft)
+        self._round[rid] = ("draft-model", began, None)
         if self.model_max_tokens is not None:
             budget = min(budget, self.model_max_tokens)
         proposed = self.model.propose(rid, context, budget)
