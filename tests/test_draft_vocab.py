@@ -92,12 +92,16 @@ def test_a_requests_kept_ids_are_the_frequent_ones_and_its_contexts() -> None:
     head = torch.nn.Linear(8, 50)
     vocab = DraftVocab(head, 50, 20)
     request = vocab.for_request()
-    request.update([3, 41, 7, 25, 41])
+    request.add([3, 41, 7, 25, 41])
     assert request.ids.tolist() == [*range(20), 41, 25]
-    request.update([3, 41, 7, 25, 41, 30, 2])  # extends: only the new tokens are read
+    request.add([30, 2, 41])  # what the context adds: new ids join, known ones stay where they are
     assert request.ids.tolist() == [*range(20), 41, 25, 30]
-    request.update([49])  # another context: ids are only ever added
+    request.add([49])  # ids are only ever added
     assert request.ids.tolist() == [*range(20), 41, 25, 30, 49]
+    for bad in (50, -1):
+        with pytest.raises(ValueError, match=r"token id .* not in the draft model's vocabulary \[0, 50\)"):
+            request.add([3, bad])
+    assert request.ids.tolist() == [*range(20), 41, 25, 30, 49]  # a refused context changes nothing
     x = torch.randn(2, 8)
     assert torch.equal(request.logits(x), head(x)[:, request.ids])
     dist = torch.softmax(request.logits(x)[0], -1)
@@ -162,6 +166,9 @@ def test_sampled_drafts_over_kept_ids_carry_q_over_the_whole_vocabulary(tiny_eng
     kept = list(range(10)) + [150]
     assert torch.allclose(draft.q[:, kept].sum(-1), torch.ones(len(draft)))
     assert all(t in kept for t in draft.token_ids)
+    drafter.start("bad", [1, 2], SamplingParams())
+    with pytest.raises(ValueError, match="not in the draft model's vocabulary"):  # refused by name, not an IndexError
+        drafter.propose("bad", [1, 2, VOCAB + 5], 3)
     for bad in (dict(min_prob=1.5), dict(sessions=-1)):
         with pytest.raises(ValueError):
             DraftModelDrafter(small, **bad)

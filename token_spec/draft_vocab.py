@@ -82,18 +82,19 @@ class RequestVocab:
         self.vocab = vocab
         self.extra: list[int] = []  # context ids >= vocab.first, in the order first seen
         self._extra_set: set[int] = set()
-        self._seen: list[int] = []  # the context tokens already scanned (a prefix of every later context)
         self._extra_head: torch.nn.Module | None = None
         self.ids = torch.arange(vocab.first)  # column j of `logits` is token ids[j]
 
-    def update(self, context: Sequence[int]) -> None:
-        """Add the ids of `context` at or above the frequent ones (a context that does not extend the one
-        seen last is scanned in full: kept ids are only ever added)."""
-        seen = self._seen
-        start = len(seen) if len(context) >= len(seen) and list(context[: len(seen)]) == seen else 0
-        first = self.vocab.first
-        new = [t for t in dict.fromkeys(context[start:]) if t >= first and t not in self._extra_set]
-        self._seen = list(context)
+    def add(self, tokens: Sequence[int]) -> None:
+        """Keep the ids of `tokens` (context the small model is about to read) at or above the frequent ones;
+        kept ids are only ever added. An id outside the vocabulary is refused by name."""
+        first, size = self.vocab.first, self.vocab.vocab_size
+        new = []
+        for t in dict.fromkeys(tokens):
+            if not 0 <= t < size:
+                raise ValueError(f"token id {t!r} is not in the draft model's vocabulary [0, {size})")
+            if t >= first and t not in self._extra_set:
+                new.append(t)
         if not new:
             return
         self.extra.extend(new)

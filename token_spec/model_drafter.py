@@ -90,8 +90,8 @@ class DraftModelDrafter:
         self.engine.truncate(session, keep)
         del fed[keep:]
         head = None
-        if vocab is not None:
-            vocab.update(context)
+        if vocab is not None:  # every context token the small model reads passes here once
+            vocab.add(context[keep:])
             head = vocab.logits
         began = time.perf_counter()
         logits = self.engine.forward(session, list(context[keep:]), last_only=True, head=head)
