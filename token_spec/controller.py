@@ -73,6 +73,11 @@ class MatchLengthController(FixedController):
         return draft.truncated(max(cap, 0))
 
 
+def moving_average(average: float | None, value: float, smoothing: float) -> float:
+    """`average` moved `smoothing` of the way to `value`; the first value (`average` None) as it is."""
+    return value if average is None else average + smoothing * (value - average)
+
+
 class CostCurve:
     """Seconds of a round by its size k (draft tokens): a moving average for every size measured; any other
     size costs what the least-squares line through the measured ones says (a CPU's verify cost grows about
@@ -95,8 +100,7 @@ class CostCurve:
         self._line: tuple[float, float, float] | None = None  # mean k, mean seconds, slope; None: to refit
 
     def update(self, k: int, seconds: float) -> None:
-        old = self.measured.get(k)
-        self.measured[k] = seconds if old is None else old + self.smoothing * (seconds - old)
+        self.measured[k] = moving_average(self.measured.get(k), seconds, self.smoothing)
         self._count += 1
         self._when[k] = self._count
         for stale in [size for size, when in self._when.items() if self._count - when >= self.max_age]:

@@ -19,7 +19,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from thinkahead.token_spec.controller import CostCurve
+from thinkahead.token_spec.controller import CostCurve, moving_average
 from thinkahead.token_spec.draft import Draft
 from thinkahead.token_spec.draft_vocab import DraftVocab, RequestVocab
 from thinkahead.token_spec.names import common_prefix_len
@@ -164,11 +164,9 @@ class RoundRate:
     rounds: int = 0
 
     def update(self, tokens: int, seconds: float, smoothing: float) -> None:
-        if self.rounds == 0:
-            self.tokens, self.seconds = float(tokens), seconds
-        else:
-            self.tokens += smoothing * (tokens - self.tokens)
-            self.seconds += smoothing * (seconds - self.seconds)
+        first = self.rounds == 0
+        self.tokens = moving_average(None if first else self.tokens, tokens, smoothing)
+        self.seconds = moving_average(None if first else self.seconds, seconds, smoothing)
         self.rounds += 1
 
 
@@ -207,8 +205,8 @@ class HybridDrafter:
         self.model_free = False
         self.rates = {"free": RoundRate(), "draft-model": RoundRate()}  # model rounds: without the reading
         self.free_cost = CostCurve(smoothing, FREE_COST_PRIOR_SLOPE)  # a model-free round's seconds by draft length
-        self.free_promised = 0.0  # model-free rounds' (score + 1), a moving average beside rates["free"].tokens
-        self.read_seconds = 0.0  # per token the small model reads before drafting (a moving average)
+        self.free_promised: float | None = None  # model-free rounds' (score + 1), averaged as rates["free"].tokens
+        self.read_seconds: float | None = None  # per token the small model reads before drafting (a moving average)
         self._read: dict[Hashable, float] = {}  # rid -> seconds this round's model draft spent reading
         # rid -> (this round's source, when its draft began, the model-free draft it took or None)
         self._round: dict[Hashable, tuple[str, float, Draft | None]] = {}
@@ -236,16 +234,16 @@ class HybridDrafter:
         tokens, seconds = self.model.last_read(rid)
         if tokens >= READ_TIMED_FROM:  # a catch-up (or a prompt): timed apart from the round
             self._read[rid] = seconds
-            rate = seconds / tokens
-            self.read_seconds = rate if not self.read_seconds else self.read_seconds + self.smoothing * (rate - self.read_seconds)
+            self.read_seconds = moving_average(self.read_seconds, seconds / tokens, self.smoothing)
         return proposed
 
     def _prefers_free(self, rid: Hashable, context: Sequence[int], draft: Draft, budget: int) -> bool:
         free, model = self.rates["free"], self.rates["draft-model"]
         if free.rounds and model.rounds and model.seconds > 0:
             unread = self.model.unread(rid, context)
-            model_seconds = model.seconds + (unread * self.read_seconds if unread >= READ_TIMED_FROM else 0.0)
-            kept = free.tokens / self.free_promised if self.free_promised > 0 else 1.0
+            reading = unread * self.read_seconds if unread >= READ_TIMED_FROM and self.read_seconds else 0.0
+            model_seconds = model.seconds + reading
+            kept = free.tokens / self.free_promised if self.free_promised else 1.0
             return kept * (draft.score + 1) / self.free_cost(len(draft)) >= model.tokens / model_seconds
         return draft.score >= min(self.min_score, budget)
 
@@ -256,13 +254,10 @@ class HybridDrafter:
         if source is not None:
             reading = self._read.pop(rid, 0.0) if source == "draft-model" else 0.0
             seconds = time.perf_counter() - began - reading
-            rate = self.rates[source]
             if source == "free" and free_draft is not None:
-                promised = free_draft.score + 1
-                self.free_promised = promised if not rate.rounds else self.free_promised + self.smoothing * (
-                    promised - self.free_promised)
+                self.free_promised = moving_average(self.free_promised, free_draft.score + 1, self.smoothing)
                 self.free_cost.update(len(free_draft), seconds)
-            rate.update(len(accepted), seconds, self.smoothing)
+            self.rates[source].update(len(accepted), seconds, self.smoothing)
 
     def finish(self, rid: Hashable) -> None:
         self._round.pop(rid, None)

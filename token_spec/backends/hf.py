@@ -70,7 +70,8 @@ class HFEngine:
         self.device: torch.device = model.device
         self.forwarded_tokens = 0  # tokens every forward has read, over the engine's life (prefill accounting)
         # transformers >= 5.24 names the KV cache argument `cache` (`past_key_values` is deprecated there)
-        self._cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self._cache_arg = _cache_arg(model)
+        self._base_cache_arg = _cache_arg(model.base_model)  # `head=` forwards call the base model
         # Layer type -> index of its first layer (for cache mask sizes); empty when every layer is full
         # attention, in which case a plain 4D mask tensor is passed (Llama accepts no dict form).
         self._mask_layers: dict[str, int] = {}
@@ -201,9 +202,8 @@ class HFEngine:
         own = getattr(self.model, "final_hidden", None)  # a fused model runs its lean layers
         if own is not None:
             return own(ids, mask, position_ids, cache)
-        base = self.model.base_model
-        cache_arg = "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
-        out = base(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=True, **{cache_arg: cache})
+        out = self.model.base_model(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=True,
+                                    **{self._base_cache_arg: cache})
         return out.last_hidden_state
 
     def _check_tokens(self, token_ids: list[int]) -> None:
@@ -267,6 +267,11 @@ class HFEngine:
         mask = torch.zeros(allowed.shape, dtype=self.dtype)
         mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
         return mask[None, None].to(self.device)
+
+
+def _cache_arg(module: torch.nn.Module) -> str:
+    """The name `module.forward` takes the KV cache by: transformers >= 5.24 says `cache`, earlier `past_key_values`."""
+    return "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
 
 
 def _depths(parents: list[int]) -> torch.Tensor:
