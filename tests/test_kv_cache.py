@@ -1,8 +1,9 @@
 """`GrowingCache` (token_spec/backends/kv_cache.py): appends in place, the same logits as `DynamicCache`.
 
 Prefill, decode steps, a tree forward, keep_path, truncation and appends after a crop give
-bit-identical logits with either cache, for a float model and for the int8 model whose fused
-attention keeps its K/V in float64; a buffer is reused while it has room and never shared.
+bit-identical logits with either cache, for a float model, for the int8 model on the native layers
+(float32 K/V) and on transformers' ops (whose float64 attention keeps float64 K/V); a buffer is reused
+while it has room and never shared.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from thinkahead.models.fused_qwen2 import use_native_layers
 from thinkahead.models.quantize import quantize_int8
 from thinkahead.token_spec.backends.hf import EngineSession, HFEngine
 from thinkahead.token_spec.backends.kv_cache import MIN_CAPACITY, GrowingCache, GrowingLayer
@@ -33,11 +35,12 @@ def _script(engine: HFEngine, session: EngineSession) -> list[torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("kind", ["float32", "int8"])
+@pytest.mark.parametrize("kind", ["float32", "int8", "int8-transformers"])
 def test_logits_are_bit_identical_to_dynamic_cache(kind) -> None:
     model = _qwen2(intermediate=96, layers=2)
-    if kind == "int8":
+    if kind.startswith("int8"):
         model = quantize_int8(copy.deepcopy(model))
+        assert use_native_layers(model, kind == "int8") == (kind == "int8")
     engine = HFEngine(model)
     growing = engine.new_session()
     assert isinstance(growing.cache, GrowingCache)
@@ -46,8 +49,8 @@ def test_logits_are_bit_identical_to_dynamic_cache(kind) -> None:
         assert torch.equal(ours, theirs)
     layer = growing.cache.layers[0]
     assert isinstance(layer, GrowingLayer) and layer.keys.shape[-2] == 64
-    if kind == "int8":  # float64 attention: the cache holds float64 K/V, converted once per token
-        assert layer.keys.dtype == torch.float64
+    # transformers' float64 attention: the cache holds float64 K/V, converted once per token
+    assert layer.keys.dtype == (torch.float64 if kind == "int8-transformers" else torch.float32)
 
 
 def test_appends_reuse_the_buffer_and_a_crop_is_overwritten() -> None:
@@ -92,6 +95,7 @@ def test_float64_kv_only_in_a_cache_that_appends_in_place() -> None:
     """transformers' own DynamicCache (model.generate) keeps the model's float32 K/V: widening them there
     would double every step's concatenation copies."""
     model = quantize_int8(copy.deepcopy(_qwen2(intermediate=96, layers=1)))
+    use_native_layers(model, False)  # the native layers keep float32 K/V in every cache
     ids = torch.tensor([[3, 4, 5, 6]])
     plain, growing = DynamicCache(), GrowingCache()
     with torch.inference_mode():

@@ -17,7 +17,7 @@ Only the exact transformers classes `Qwen2Attention` / `Qwen2MLP` are fused; any
 architecture, or a subclass, keeps its own modules and forward.
 
 A model whose every layer is fused becomes `FusedQwen2ForCausalLM`: the engine's forwards (token ids,
-no mask or a 4D tree mask, a KV cache, float64 attention) run the layers directly, the same tensor
+no mask or a 4D tree mask, a KV cache, batch-invariant attention) run the layers directly, the same tensor
 ops in the same order as transformers' forward (bit-identical logits, tests/test_int8_fusion.py)
 without its per-module wrappers, hooks and mask building: 28 layers x 7 modules per decode step.
 Any other call (inputs_embeds, output options, training, another attention) takes transformers' path.
@@ -154,21 +154,16 @@ class FusedQwen2ForCausalLM(qwen2.Qwen2ForCausalLM):
             position_ids = torch.arange(start, start + hidden.shape[1], device=hidden.device).unsqueeze(0)
         position_embeddings = inner.rotary_emb(hidden, position_ids)
         # checked at every call: the model may have been moved or cast since `use_native_layers`
-        native = self._native_layers and layer_ops.supports(self) and hidden.dtype == torch.float32
-        if native and hidden.shape[0] == 1 and hidden.device.type == "cpu":
-            hidden = layer_ops.run(inner, hidden, position_embeddings, attention_mask, cache)
-        else:
-            # The same numbers row for row (a batch of several sequences): the native norm where the native
-            # layers run, rotary and attention as there. float64 attention aligns a missing mask bottom-right
-            # (the chain after the cached prefix), as transformers' own causal mask does; a 4D mask (a tree)
-            # is used as given, as transformers does.
-            norm = layer_ops.rms_norm if native and hidden.device.type == "cpu" else _rms_norm
-            for layer in inner.layers:
-                attn = layer.self_attn.forward(norm(layer.input_layernorm, hidden), position_embeddings,
-                                               attention_mask, cache=cache)[0]
-                hidden = hidden + attn
-                hidden = hidden + layer.mlp.forward(norm(layer.post_attention_layernorm, hidden))
-            hidden = norm(inner.norm, hidden)
+        if self._native_layers and layer_ops.supports(self) and hidden.dtype == torch.float32 and hidden.device.type == "cpu":
+            return layer_ops.run(inner, hidden, position_embeddings, attention_mask, cache)
+        # transformers' ops and attention, float64 attention aligning a missing mask bottom-right (the chain
+        # after the cached prefix) as transformers' own causal mask does; a 4D mask (a tree) is used as given
+        for layer in inner.layers:
+            attn = layer.self_attn.forward(_rms_norm(layer.input_layernorm, hidden), position_embeddings,
+                                           attention_mask, cache=cache)[0]
+            hidden = hidden + attn
+            hidden = hidden + layer.mlp.forward(_rms_norm(layer.post_attention_layernorm, hidden))
+        hidden = _rms_norm(inner.norm, hidden)
         return hidden
 
 

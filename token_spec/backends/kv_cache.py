@@ -78,7 +78,7 @@ class GrowingLayer(DynamicLayer):
 class GrowingCache(DynamicCache):
     """A config-less `DynamicCache` (every layer keeps all its tokens, croppable) of `GrowingLayer`s."""
 
-    appends_in_place = True  # read by float64 attention, which then stores float64 K/V (exact_attention.py)
+    appends_in_place = True  # read by transformers' float64 attention, which then stores float64 K/V (exact_attention.py)
 
     def __init__(self) -> None:
         super().__init__()
