@@ -31,9 +31,9 @@ from tests.tiny_models import VOCAB
 pytestmark = pytest.mark.skipif(kquant.unavailable_reason() is not None, reason=str(kquant.unavailable_reason()))
 
 HIDDEN, INTER, LAYERS = 256, 512, 2
-# name -> (block type, rows, cols), as a Q4_K_M file mixes them
+# name -> (block type, rows, cols), as a Q4_K_M file mixes them (and Q4_0, as Q4_0 files have)
 LINEARS = {"attn_q": (T.Q4_K, 256, HIDDEN), "attn_k": (T.Q5_0, 128, HIDDEN), "attn_v": (T.Q8_0, 128, HIDDEN),
-           "attn_output": (T.Q4_K, HIDDEN, 256), "ffn_gate": (T.Q4_K, INTER, HIDDEN),
+           "attn_output": (T.Q4_0, HIDDEN, 256), "ffn_gate": (T.Q4_K, INTER, HIDDEN),
            "ffn_up": (T.Q4_K, INTER, HIDDEN), "ffn_down": (T.Q6_K, HIDDEN, INTER)}
 
 

@@ -19,13 +19,13 @@ from thinkahead.models import kquant
 
 pytestmark = pytest.mark.skipif(kquant.unavailable_reason() is not None, reason=str(kquant.unavailable_reason()))
 
-TYPES = {"Q4_K": T.Q4_K, "Q6_K": T.Q6_K, "Q5_0": T.Q5_0, "Q8_0": T.Q8_0}
+TYPES = {"Q4_K": T.Q4_K, "Q6_K": T.Q6_K, "Q4_0": T.Q4_0, "Q5_0": T.Q5_0, "Q8_0": T.Q8_0}
 
 
 def random_blocks(kind: T, rows: int, cols: int, seed: int) -> np.ndarray:
     """Valid blocks of `kind` for a [rows, cols] tensor: random values, block scales of a sane size."""
     rng = np.random.default_rng(seed)
-    if kind in (T.Q5_0, T.Q8_0):
+    if kind in (T.Q4_0, T.Q5_0, T.Q8_0):
         return quantize(rng.standard_normal((rows, cols)).astype(np.float32) * 0.05, kind)
     values, nbytes = kquant.BLOCK_GEOMETRY[int(kind)]
     blocks = rng.integers(0, 256, size=(rows, cols // values, nbytes), dtype=np.uint8)
@@ -118,8 +118,8 @@ def test_a_nan_spoils_only_its_own_row() -> None:
 
 def test_bad_tensors_are_refused_by_name() -> None:
     blocks = torch.zeros(4, 144, dtype=torch.uint8)
-    with pytest.raises(ValueError, match="blk.0.attn_q.weight: ggml type 2 is not one of"):
-        kquant.QuantTensor("blk.0.attn_q.weight", 2, 4, 256, blocks)
+    with pytest.raises(ValueError, match="blk.0.attn_q.weight: ggml type 3 is not one of"):
+        kquant.QuantTensor("blk.0.attn_q.weight", 3, 4, 256, blocks)  # Q4_1
     with pytest.raises(ValueError, match="300 columns is not a multiple of its block size 256"):
         kquant.QuantTensor("w", int(T.Q4_K), 4, 300, blocks)
     with pytest.raises(ValueError, match="do not hold 4 x 512 values of Q4_K"):
@@ -204,7 +204,7 @@ def test_the_kernel_layout_is_a_rewrite_of_the_same_bytes_in_place_or_as_a_copy(
         assert not np.array_equal(copy.blocks.numpy(), original)
         assert np.array_equal(copy.blocks.numpy().reshape(-1, size)[:, header], original.reshape(-1, size)[:, header])
     else:  # each row's blocks in groups of 8 (here 8, then 3): the group's scales, high bits, codes
-        size = 22 if kind == T.Q5_0 else 34
+        size = {T.Q4_0: 18, T.Q5_0: 22}.get(kind, 34)
         rows = original.reshape(12, 11, size)
         expected = []
         for group in (rows[:, :8], rows[:, 8:]):

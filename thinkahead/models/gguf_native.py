@@ -188,7 +188,7 @@ class _Tensors:
         info = self._info(name)
         if info.type not in BLOCK_GEOMETRY or len(info.shape) != 2:
             raise ValueError(f"{self.index.path}: tensor {name} has ggml type {info.type} and shape {info.shape}; "
-                             "dtype 'gguf' runs 2-D Q4_K, Q6_K, Q5_0 and Q8_0 tensors (use dtype 'int8')")
+                             "dtype 'gguf' runs 2-D Q4_K, Q6_K, Q4_0, Q5_0 and Q8_0 tensors (use dtype 'int8')")
         cols, rows = info.shape
         values, nbytes = BLOCK_GEOMETRY[info.type]
         row_bytes = cols // values * nbytes  # read_index checked that the tensor ends inside the file
@@ -229,7 +229,7 @@ def _check_architecture(path: Path, config: Any, architecture: str | None = None
 
 def build_model(gguf_path: str | Path, config: Any) -> Any:
     """The transformers model of `config` over the GGUF file's blocks (eval mode, float32 activations,
-    float64 attention); raises ValueError for an architecture or a tensor type it cannot run."""
+    batch-invariant attention); raises ValueError for an architecture or a tensor type it cannot run."""
     from transformers import AutoModelForCausalLM
 
     from thinkahead.models.exact_attention import use_exact_attention

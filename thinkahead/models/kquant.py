@@ -10,12 +10,13 @@ to 8 bits per block, as llama.cpp does.
 Exactness: every row of the activations is quantized on its own and every output's block sums are
 accumulated in one fixed order whatever the number of rows or the path (row by row, or tiles of 8
 rows from 16 rows on), so verifying k drafted tokens computes exactly what decoding them one by one
-computes (tests/test_kquant.py); with float64 attention
-(exact_attention.py) speculative greedy output equals plain greedy output.
+computes (tests/test_kquant.py); with attention whose rows do not depend on the batch either (the native
+layers' float32 attention, native/attention.inc, or float64 attention, exact_attention.py) speculative
+greedy output equals plain greedy output.
 
 Layout: a linear's blocks are rewritten once, at load, into the kernel's layout (native/kquant_layout.inc;
 the same bytes per row): Q4_K/Q6_K codes permuted so that one multiply-add per 32 values leaves every
-sub-block's sum in its own vector lane; Q5_0/Q8_0 blocks regrouped by 8 with their scales first, which
+sub-block's sum in its own vector lane; Q4_0/Q5_0/Q8_0 blocks regrouped by 8 with their scales first, which
 convert in one instruction. `kernel_layout` does it, in place where the caller owns the bytes. Embedding
 tables keep the file's layout.
 
@@ -26,7 +27,7 @@ CPU has runs; tiles need one of the VNNI builds (AVX-512 VNNI alone, as on Ice L
 servers, is enough).
 
 Block types: Q4_K and Q6_K (256 values per block; Q4_K_M files), Q5_0 and Q8_0 (32 values; the
-0.5B's Q4_K_M file uses them where rows are not a multiple of 256). Any other type is refused by
+0.5B's Q4_K_M file uses them where rows are not a multiple of 256), Q4_0 (32 values; Q4_0 files). Any other type is refused by
 name (`SUPPORTED_TYPES`).
 """
 
@@ -42,7 +43,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from thinkahead.models.native_extension import LazyExtension
 
-_KERNEL_TYPES = (GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K,
+_KERNEL_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K,
                  GGMLQuantizationType.Q6_K)
 # ggml type ids the kernel runs, by their GGUF names
 SUPPORTED_TYPES: dict[str, int] = {t.name: int(t) for t in _KERNEL_TYPES}

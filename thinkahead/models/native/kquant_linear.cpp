@@ -1,4 +1,4 @@
-// Linears computed directly on a GGUF file's quantized blocks (Q4_K, Q6_K, Q5_0, Q8_0), AVX2/AVX-VNNI, for
+// Linears computed directly on a GGUF file's quantized blocks (Q4_K, Q6_K, Q4_0, Q5_0, Q8_0), AVX2/AVX-VNNI, for
 // thinkahead/models/kquant.py: y = x @ W.T + b where W stays in the file's blocks (never converted;
 // its blocks rearranged once at load into the kernel's layout: kquant_layout.inc) and every row of
 // x is quantized to 8 bits per block, as llama.cpp does it.
@@ -10,12 +10,12 @@
 // computes exactly what one-token decoding computes):
 // - Q4_K/Q6_K weights (256-value super-blocks) meet x quantized per 256 values (llama.cpp's Q8_K:
 //   d = max / -127 with max the value of largest magnitude, q = round_half_even(x / d), and the sums of
-//   every 16 q); Q5_0/Q8_0 weights (32-value blocks) meet x quantized per 32 values (d = amax / 127).
+//   every 16 q); Q4_0/Q5_0/Q8_0 weights (32-value blocks) meet x quantized per 32 values (d = amax / 127).
 // - Each block's dot product is exact integer arithmetic. Q4_K/Q6_K: per super-block, two exact
 //   integers (the scaled dot product, the mins term) meet the float scales in one fixed formula and
 //   order (kquant_dots.inc's epilogue), whichever path computed them: row by row (kquant_dots.inc),
 //   several rows per vector (the same), or tiles of 8 rows in the vector lanes (kquant_tiles.inc, from
-//   16 rows of x on, AVX-VNNI). Q5_0/Q8_0: per block, its integer dot product's 8 lanes times the block
+//   16 rows of x on, AVX-VNNI). Q4_0/Q5_0/Q8_0: per block, its integer dot product's 8 lanes times the block
 //   scales' product (w.d * x.d), accumulated lane by lane in block order, the lanes summed last. Either way
 //   the result is bit-identical row by row, whatever M, the path or the thread.
 // - No fused contraction beyond the explicit fmadd (compiled with -ffp-contract=off).
@@ -45,9 +45,9 @@ namespace {
 
 
 // ggml's type ids (ggml.h) and block geometry.
-enum Type : int { Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
+enum Type : int { Q4_0 = 2, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
 constexpr int64_t QK_K = 256;  // values per super-block (Q4_K, Q6_K)
-constexpr int64_t QK = 32;     // values per block (Q5_0, Q8_0)
+constexpr int64_t QK = 32;     // values per block (Q4_0, Q5_0, Q8_0)
 constexpr int MAX_MR = 4;      // rows of x sharing one unpacked weight block
 // Weight rows requested ahead of the one being computed (1.5B layers streamed from memory, 2 threads: no
 // prefetch 0.85 ms per 8960x1536 Q4_K layer, 1 row 0.42, 2-4 rows 0.39, 6 rows 0.50).
@@ -55,7 +55,7 @@ constexpr int64_t PREFETCH_ROWS = 3;
 
 int64_t block_values(int type) {
     if (type == Q4_K || type == Q6_K) return QK_K;
-    if (type == Q5_0 || type == Q8_0) return QK;
+    if (type == Q4_0 || type == Q5_0 || type == Q8_0) return QK;
     throw std::invalid_argument("kquant: unsupported ggml type " + std::to_string(type));
 }
 
@@ -63,6 +63,7 @@ int64_t block_bytes(int type) {
     switch (type) {
         case Q4_K: return 144;  // fp16 d, fp16 dmin, 12 bytes of 6-bit scales/mins, 128 bytes of nibbles
         case Q6_K: return 210;  // 128 bytes low nibbles, 64 bytes high 2 bits, 16 int8 scales, fp16 d
+        case Q4_0: return 18;   // fp16 d, 16 bytes of nibbles
         case Q5_0: return 22;   // fp16 d, 32 high bits, 16 bytes of nibbles
         case Q8_0: return 34;   // fp16 d, 32 int8
         default: throw std::invalid_argument("kquant: unsupported ggml type " + std::to_string(type));
@@ -363,7 +364,7 @@ void repack(int type, uintptr_t src, uintptr_t dst, int64_t rows, int64_t cols) 
     for (int64_t r = 0; r < rows; ++r) {
         const uint8_t* row_in = in + r * nb * bytes;
         uint8_t* row_out = out + r * nb * bytes;
-        if (type == Q5_0 || type == Q8_0) {
+        if (block_values(type) == QK) {
             repack_q32_row(type, row_in, row_out, nb);
             continue;
         }
@@ -378,6 +379,7 @@ void repack(int type, uintptr_t src, uintptr_t dst, int64_t rows, int64_t cols) 
 
 PYBIND11_MODULE(_kquant_native, m) {
     m.doc() = "AVX2 linears on GGUF quantized blocks (see thinkahead/models/kquant.py)";
+    m.attr("Q4_0") = static_cast<int>(Q4_0);
     m.attr("Q5_0") = static_cast<int>(Q5_0);
     m.attr("Q8_0") = static_cast<int>(Q8_0);
     m.attr("Q4_K") = static_cast<int>(Q4_K);
