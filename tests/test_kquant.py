@@ -243,7 +243,7 @@ def test_tiles_of_eight_rows_give_the_row_by_row_bits(name) -> None:
         assert torch.equal(alone.nan_to_num(7.0), tiled[-1].nan_to_num(7.0))
         assert tiled[-1][13].isnan().all() and not tiled[-1][12].isnan().any()
         with pytest.raises(ValueError, match="rows >= 0"):
-            native.set_tile_from(-1)
+            native.set_tile_from(-2)
     finally:
         native.set_tile_from(default)
         torch.set_num_threads(threads_before)

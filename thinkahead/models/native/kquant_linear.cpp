@@ -15,7 +15,7 @@
 //   integers (the scaled dot product, the mins term) meet the float scales in one fixed formula and
 //   order (kquant_dots.inc's epilogue), whichever path computed them: row by row (kquant_dots.inc),
 //   several rows per vector (the same), or tiles of 8 rows in the vector lanes (kquant_tiles.inc, from
-//   16 rows of x on, AVX-VNNI). Q4_0/Q5_0/Q8_0: per block, its integer dot product's 8 lanes times the block
+//   16 or 24 rows of x on, AVX-VNNI). Q4_0/Q5_0/Q8_0: per block, its integer dot product's 8 lanes times the block
 //   scales' product (w.d * x.d), accumulated lane by lane in block order, the lanes summed last. Either way
 //   the result is bit-identical row by row, whatever M, the path or the thread.
 // - No fused contraction beyond the explicit fmadd (compiled with -ffp-contract=off).
@@ -265,11 +265,13 @@ int best_isa() {
 }
 
 std::atomic<int> chosen_isa{-1};  // -1: the best this CPU runs; set_isa (tests, benches)
-// Rows of x from which the K-quant parts run in tiles of 8 (AVX-VNNI; the same bits as row by row). Below
-// 16 rows the row-by-row path is as fast or faster (1.5B layers: tiles 1.0-1.3x its time at 8-12 rows,
-// 0.85-1.02x at 16, 0.7x at 64).
-constexpr int64_t TILE_FROM_ROWS = 16;
-std::atomic<int64_t> tile_from{TILE_FROM_ROWS};  // set_tile_from (tests, benches); 0: never
+// Rows of x from which the K-quant parts run in tiles of 8 (the same bits as row by row). Below them the
+// row-by-row path is as fast or faster: passes of 4 rows (AVX-VNNI) up to 16 rows (1.5B layers: tiles
+// 1.0-1.3x its time at 8-12 rows, 0.85-1.02x at 16, 0.7x at 64), passes of 8 (AVX-512) up to 24 (1.5B
+// verify: tiles 1.08x the time at 16-20 rows, 0.98x at 24, 0.87x at 33, 0.79x at 48-65).
+constexpr int64_t TILE_FROM_ROWS_4 = 16, TILE_FROM_ROWS_8 = 24;
+constexpr int64_t TILE_FROM_AUTO = -1;
+std::atomic<int64_t> tile_from{TILE_FROM_AUTO};  // set_tile_from (tests, benches); 0: never; -1: by the ISA
 constexpr int64_t TILE_PARTIAL_ROWS = 5;  // 1.5B verify of 20 rows: 4 in a partial tile 1.03x slower, 21: 5 in one 0.95x
 
 int current_isa() {
@@ -333,7 +335,8 @@ void linear(uintptr_t x, int64_t M, int64_t K, const py::list& types, const py::
             xk.resize(static_cast<size_t>(M * (K / QK_K)));
             for (int64_t m = 0; m < M; ++m) quantize_q8k(xf + m * K, K, xk.data() + m * (K / QK_K));
             job.xk = xk.data();
-            const int64_t from = tile_from.load();
+            const int64_t set = tile_from.load();
+            const int64_t from = set != TILE_FROM_AUTO ? set : job.isa == AVX512_VNNI ? TILE_FROM_ROWS_8 : TILE_FROM_ROWS_4;
             if (job.isa != AVX2 && from > 0 && M >= from && M >= TILE) {
                 // Rows left over past the last full tile: a partial tile from TILE_PARTIAL_ROWS of them on,
                 // else row by row (a row costs about a quarter of a tile's instructions).
@@ -402,9 +405,10 @@ PYBIND11_MODULE(_kquant_native, m) {
     m.def("repack", &repack, py::arg("type"), py::arg("src"), py::arg("dst"), py::arg("rows"), py::arg("cols"),
           "rewrite blocks from the file's layout into the kernel's (src == dst: in place)");
     m.def("threading", &thinkahead_native::threading);
-    m.def("tile_from", [] { return tile_from.load(); }, "rows of x from which K-quant parts run in tiles (0: never)");
+    m.def("tile_from", [] { return tile_from.load(); },
+          "rows of x from which K-quant parts run in tiles (0: never; -1: by the ISA, the default)");
     m.def("set_tile_from", [](int64_t rows) {
-        if (rows < 0) throw std::invalid_argument("set_tile_from: rows >= 0 (0: never)");
+        if (rows < TILE_FROM_AUTO) throw std::invalid_argument("set_tile_from: rows >= 0 (0: never), or -1 (by the ISA)");
         tile_from.store(rows);
     }, py::arg("rows"), "rows of x from which K-quant parts run in tiles of 8 (the same results; for tests and benches)");
     m.def("isa", &isa, "which build of the dot products runs: the best of avx512vnni, avxvnni, avx2 the CPU has");
