@@ -245,6 +245,34 @@ def test_hybrid_picks_the_source_that_promises_more_tokens_per_second(tiny_engin
         HybridDrafter(free, small, smoothing=0.0)
 
 
+def test_hybrid_takes_a_plain_step_where_the_small_model_would_read_more_than_it_drafts(tiny_engine_factory) -> None:
+    """An empty model-free draft is a plain step, one certain token: the small model drafts instead only
+    where its rounds promise more per second, the tokens it has not read yet charged (a catch-up of a
+    whole new prompt part after a run of model-free rounds)."""
+    small = CountingEngine(tiny_engine_factory("qwen2", seed=1))
+    hybrid = HybridDrafter(FixedDraft([]), DraftModelDrafter(small), min_score=2.0)
+    hybrid.start("r", [1, 2, 3], SamplingParams())
+    assert hybrid.propose("r", [1, 2, 3], 4).source == "draft-model"  # untimed: an empty draft is no draft
+    hybrid.observe("r", [4, 5], Draft())
+    hybrid.rates["free"] = RoundRate(tokens=3.0, seconds=1.0, rounds=5)
+    hybrid.rates["draft-model"] = RoundRate(tokens=4.0, seconds=0.5, rounds=5)  # 8 tokens/s
+    hybrid.free_cost = CostCurve(1.0, 0.1)
+    hybrid.free_cost.update(0, 0.25)  # a plain step: 4 tokens/s
+    hybrid.free_cost.update(4, 0.5)
+    hybrid.read_seconds = 0.01
+    context = [1, 2, 3, 4, 5]
+    small.fed.clear()
+    assert hybrid.propose("r", context, 4).source == "draft-model"  # nothing to read: 8 > 4 tokens/s
+    hybrid.observe("r", [6], Draft())
+    long = context + [6] + list(range(7, 107))  # 100 unread tokens: 4 tokens in 0.5 + 1.0 s < 4 tokens/s
+    small.fed.clear()
+    plain = hybrid.propose("r", long, 4)
+    assert len(plain) == 0 and small.fed == []  # a plain step; the small model read nothing
+    hybrid.observe("r", [9], Draft())
+    assert hybrid.rates["free"].rounds == 5 and hybrid.free_cost.measured[0] < 0.25  # timed as a plain step
+    hybrid.finish("r")
+
+
 @pytest.mark.parametrize("kind", ["draft-model", "hybrid"])
 def test_the_named_setups_build_the_small_model_drafter_with_the_preset_settings(kind, tiny_engine_factory) -> None:
     from thinkahead.token_spec import presets

@@ -180,8 +180,10 @@ class HybridDrafter:
     draft-model round promises what its rounds have been committing, in their seconds (the small
     model's forwards included), plus the time the small model takes to read the tokens committed since
     it last drafted (after a run of model-free rounds: a rewrite that copies a whole answer leaves it
-    hundreds behind). Until both kinds of round have been timed, the model-free draft is taken when
-    its score reaches `min_score`.
+    hundreds behind). An empty model-free draft is a plain step (one certain token in a 1-token verify's
+    seconds): the small model drafts only where it promises more than that, so a catch-up that costs more
+    than it pays is not read. Until both kinds of round have been timed, the model-free draft is taken when
+    its score reaches `min_score` (never an empty one).
     The averages are the drafter's (every request's rounds teach them), like the combined drafter's
     acceptance rates; a request's own state is only when its round began.
     """
@@ -224,7 +226,7 @@ class HybridDrafter:
     def propose(self, rid: Hashable, context: Sequence[int], budget: int) -> Draft:
         began = time.perf_counter()
         draft = self.free.propose(rid, context, budget)
-        if len(draft) and self._prefers_free(rid, context, draft, budget):
+        if self._prefers_free(rid, context, draft, budget):
             self._round[rid] = ("free", began, draft)
             return draft
         self._round[rid] = ("draft-model", began, None)
@@ -243,9 +245,10 @@ class HybridDrafter:
             unread = self.model.unread(rid, context)
             reading = unread * self.read_seconds if unread >= READ_TIMED_FROM and self.read_seconds else 0.0
             model_seconds = model.seconds + reading
-            kept = free.tokens / self.free_promised if self.free_promised else 1.0
+            # an empty draft is a plain step: its one token is certain
+            kept = free.tokens / self.free_promised if self.free_promised and len(draft) else 1.0
             return kept * (draft.score + 1) / self.free_cost(len(draft)) >= model.tokens / model_seconds
-        return draft.score >= min(self.min_score, budget)
+        return len(draft) > 0 and draft.score >= min(self.min_score, budget)
 
     def observe(self, rid: Hashable, accepted: Sequence[int], proposed: Draft) -> None:
         self.free.observe(rid, accepted, proposed)
@@ -255,8 +258,10 @@ class HybridDrafter:
             reading = self._read.pop(rid, 0.0) if source == "draft-model" else 0.0
             seconds = time.perf_counter() - began - reading
             if source == "free" and free_draft is not None:
-                self.free_promised = moving_average(self.free_promised, free_draft.score + 1, self.smoothing)
                 self.free_cost.update(len(free_draft), seconds)
+                if not len(free_draft):  # a plain step: what a draft of nothing costs, not a model-free round
+                    return
+                self.free_promised = moving_average(self.free_promised, free_draft.score + 1, self.smoothing)
             self.rates[source].update(len(accepted), seconds, self.smoothing)
 
     def finish(self, rid: Hashable) -> None:
