@@ -7,7 +7,7 @@ Methods (all greedy, same prompts, same stop tokens, same max_new_tokens):
   suffix               ours: SuffixDecoding (per-request + global suffix trees)
   prompt-lookup        ours: n-gram lookup in the context
   draft-model          ours: the small model drafts up to 8 tokens a round, while it is sure
-  hybrid               ours: the combined draft when it scores >= 8, else the small model's
+  hybrid               ours: per round the combined draft, the small model's or a plain step, whichever promises more
   combined             ours: recent context copies + local and global suffix trees in one tree draft
   ours-plain           ours without speculation (one token per forward; its output is the reference
                        our speculative methods must equal)

@@ -183,7 +183,8 @@ class HybridDrafter:
     hundreds behind). An empty model-free draft is a plain step (one certain token in a 1-token verify's
     seconds): the small model drafts only where it promises more than that, so a catch-up that costs more
     than it pays is not read. Until both kinds of round have been timed, the model-free draft is taken when
-    its score reaches `min_score` (never an empty one).
+    it promises as many tokens as the small model's rounds commit (its rounds need no small-model forward),
+    or before those are timed when its score reaches `min_score`; never an empty one.
     The averages are the drafter's (every request's rounds teach them), like the combined drafter's
     acceptance rates; a request's own state is only when its round began.
     """
@@ -248,7 +249,11 @@ class HybridDrafter:
             # an empty draft is a plain step: its one token is certain
             kept = free.tokens / self.free_promised if self.free_promised and len(draft) else 1.0
             return kept * (draft.score + 1) / self.free_cost(len(draft)) >= model.tokens / model_seconds
-        return len(draft) > 0 and draft.score >= min(self.min_score, budget)
+        if not len(draft):
+            return False
+        if model.rounds and not free.rounds:  # a model-free round costs no small-model forward: per round is enough
+            return draft.score + 1 >= model.tokens
+        return draft.score >= min(self.min_score, budget)
 
     def observe(self, rid: Hashable, accepted: Sequence[int], proposed: Draft) -> None:
         self.free.observe(rid, accepted, proposed)
