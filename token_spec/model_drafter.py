@@ -183,8 +183,9 @@ class HybridDrafter:
     hundreds behind). An empty model-free draft is a plain step (one certain token in a 1-token verify's
     seconds): the small model drafts only where it promises more than that, so a catch-up that costs more
     than it pays is not read. Until both kinds of round have been timed, the model-free draft is taken when
-    it promises as many tokens as the small model's rounds commit (its rounds need no small-model forward),
-    or before those are timed when its score reaches `min_score`; never an empty one.
+    its score reaches `min_score` (never an empty one). (Taking it earlier, from as many tokens as the small
+    model's rounds commit, was measured and dropped: a chain of thought's weak model-free rounds taught the
+    adaptive controller short drafts, and the next refine turn's copy then ramped up from 1-token drafts.)
     The averages are the drafter's (every request's rounds teach them), like the combined drafter's
     acceptance rates; a request's own state is only when its round began.
     """
@@ -249,11 +250,7 @@ class HybridDrafter:
             # an empty draft is a plain step: its one token is certain
             kept = free.tokens / self.free_promised if self.free_promised and len(draft) else 1.0
             return kept * (draft.score + 1) / self.free_cost(len(draft)) >= model.tokens / model_seconds
-        if not len(draft):
-            return False
-        if model.rounds and not free.rounds:  # a model-free round costs no small-model forward: per round is enough
-            return draft.score + 1 >= model.tokens
-        return draft.score >= min(self.min_score, budget)
+        return len(draft) > 0 and draft.score >= min(self.min_score, budget)
 
     def observe(self, rid: Hashable, accepted: Sequence[int], proposed: Draft) -> None:
         self.free.observe(rid, accepted, proposed)
