@@ -88,6 +88,28 @@ def test_a_cache_of_another_vocabulary_is_refused(model_dir, tmp_path) -> None:
     assert r.exit_code == 2 and "token id 100000, outside" in r.output
 
 
+@pytest.mark.parametrize("drafter", ["combined", "hybrid"])
+def test_generate_runs_on_gguf_blocks(drafter, model_dir, tmp_path, monkeypatch) -> None:
+    """dtype gguf (the default "auto" on the packaged models): the model's embedding is looked up from its
+    blocks and has no `.weight` (was an AttributeError before any generation)."""
+    from transformers import AutoTokenizer
+
+    from thinkahead.models import gguf_native, weights
+    from tests.test_gguf_native import tiny_config, write_tiny_gguf
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    monkeypatch.setattr(weights, "load_causal_lm",
+                        lambda spec, dtype: (gguf_native.build_model(path, tiny_config()), tokenizer))
+    out = tmp_path / "out.jsonl"
+    r = CliRunner().invoke(main, ["generate", "w5 w6 w7 w5 w6", "-m", str(model_dir), "--drafter", drafter,
+                                  "--draft-model", str(model_dir), "--max-new-tokens", "8", "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    rows = list(generation_log(out))
+    assert len(rows) == 1 and 0 < len(rows[0]["token_ids"]) <= 8 and rows[0]["stats"]["spec_verify_ct"] >= 1
+
+
 def test_a_torn_output_line_is_moved_aside_and_the_next_record_is_whole(model_dir, tmp_path) -> None:
     out = tmp_path / "out.jsonl"
     args = ["generate", "w5 w6 w7", "w8 w9", "-o", str(out), "-m", str(model_dir), "--dtype", "float32",

@@ -99,7 +99,8 @@ def build_decoder(model_spec: str, drafter: str, draft_spec: str | None, dtype: 
     from thinkahead.token_spec.backends.hf import HFEngine
 
     model, tokenizer = load_causal_lm(model_spec, dtype)
-    vocab = model.get_input_embeddings().weight.shape[0]
+    engine = HFEngine(model)
+    vocab = engine.vocab_size  # a GGUF model's embedding has no `.weight`: its blocks are looked up on demand
     largest = cache.max_token_id()
     if largest is not None and largest >= vocab:
         raise InputError(f"--cache-file holds token id {largest}, outside {model_spec}'s vocabulary of {vocab}: "
@@ -107,7 +108,7 @@ def build_decoder(model_spec: str, drafter: str, draft_spec: str | None, dtype: 
     needs_draft = drafter in MODEL_DRAFT_KINDS
     draft_engine = HFEngine(load_causal_lm(draft_spec, dtype)[0]) if needs_draft else None
     decoder = presets.build_decoder(
-        drafter, HFEngine(model), tokenizer=tokenizer, draft_engine=draft_engine, cache=cache, max_draft=max_draft
+        drafter, engine, tokenizer=tokenizer, draft_engine=draft_engine, cache=cache, max_draft=max_draft
     )
     return decoder, tokenizer
 
