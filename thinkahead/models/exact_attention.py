@@ -11,6 +11,10 @@ The fix: compute attention in float64 and round the result to float32. Two evalu
 differ by about 1e-16, far below float32's rounding step, so both round to the same float32 row
 (measured: every row bit-identical, batched or alone; on the real model the outputs match).
 The cost is small at short contexts and grows with the context (about 1.5x the attention itself).
+
+Where it runs: transformers' forward of an int8 or gguf model (any architecture). The fused Qwen2 layers'
+engine forwards (layer_ops.py) use native float32 attention instead (native/attention.inc: every row in one
+fixed order, so batch-invariant by construction, over float32 K/V).
 """
 
 from __future__ import annotations
