@@ -106,3 +106,15 @@ def test_bad_shapes_are_refused_before_any_memory_is_read() -> None:
         native.attention(0, 1, 1, 6, 4, 64, 0, 0, 4, 0, 4 * 64, 0, 0, 0.1, 0, 1)  # 6 heads over 4
     with pytest.raises(ValueError, match="bad shape"):
         native.attention(0, 1, 1, 6, 2, 64, 0, 0, 10, 0, 4 * 64, 0, 0, 0.1, 0, 1)  # head stride < 10 keys
+
+
+@pytest.mark.parametrize("D", [64, 40])  # the AVX2 path and the plain one
+def test_a_nan_key_spoils_only_the_rows_that_see_it(D) -> None:
+    torch.manual_seed(5)
+    T = S = 8
+    q, k, v = torch.randn(1, HQ, T, D), torch.randn(1, HKV, S, D), torch.randn(1, HKV, S, D)
+    k[0, 0, 5, 3] = float("nan")  # key 5 of the first key/value head
+    out = attend(q, k, v)  # [1, T, HQ, D]; query heads 0-2 read key/value head 0
+    group = HQ // HKV
+    assert out[0, 5:, :group].isnan().all()
+    assert torch.isfinite(out[0, :5]).all() and torch.isfinite(out[0, :, group:]).all()
