@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 
-from thinkahead.models.exact_attention import fp64_sdpa_forward, keeps_float64_kv
 from thinkahead.models.native_extension import LazyExtension
 
 EXTENSION = LazyExtension("_layer_native", "nothing (plain C++)")
@@ -95,7 +94,7 @@ def run(inner: Any, hidden: torch.Tensor, position_embeddings: tuple[torch.Tenso
         k = torch.empty(hkv, B * T, D)
         v = torch.empty(hkv, B * T, D)
         native.rope_split(qkv.data_ptr(), B * T, hq, hkv, D, cos.data_ptr(), sin.data_ptr(), q.data_ptr(), k.data_ptr(),
-                          v.data_ptr(), False)
+                          v.data_ptr())
         k, v = (x.view(hkv, B, T, D).transpose(0, 1) for x in (k, v))
         keys, values = (k.contiguous(), v.contiguous()) if cache is None else cache.update(k, v, i)
         if keys.shape[-2] != S or keys.dtype != torch.float32:

@@ -141,6 +141,7 @@ struct Part {
 };
 
 enum Isa : int { AVX2 = 0, AVX_VNNI = 1, AVX512_VNNI = 2 };  // builds of the dot products, by preference
+constexpr int64_t rows_per_pass(int isa) { return isa == AVX512_VNNI ? MAX_MR : 4; }  // see MAX_MR
 const char* const ISA_NAMES[] = {"avx2", "avxvnni", "avx512vnni"};
 
 struct Job {
@@ -228,7 +229,7 @@ void run_chunk(const void* ctx, int64_t chunk) {
         }
         const float bias = part.bias == nullptr ? 0.0f : part.bias[n];
         float res[MAX_MR];
-        const int64_t pass = job.isa == AVX512_VNNI ? MAX_MR : 4;
+        const int64_t pass = rows_per_pass(job.isa);
         for (int64_t m = m_first; m < job.M; m += pass) {
             const int64_t rows = std::min<int64_t>(pass, job.M - m);
             switch (rows) {
@@ -336,7 +337,7 @@ void linear(uintptr_t x, int64_t M, int64_t K, const py::list& types, const py::
             for (int64_t m = 0; m < M; ++m) quantize_q8k(xf + m * K, K, xk.data() + m * (K / QK_K));
             job.xk = xk.data();
             const int64_t set = tile_from.load();
-            const int64_t from = set != TILE_FROM_AUTO ? set : job.isa == AVX512_VNNI ? TILE_FROM_ROWS_8 : TILE_FROM_ROWS_4;
+            const int64_t from = set != TILE_FROM_AUTO ? set : rows_per_pass(job.isa) == 8 ? TILE_FROM_ROWS_8 : TILE_FROM_ROWS_4;
             if (job.isa != AVX2 && from > 0 && M >= from && M >= TILE) {
                 // Rows left over past the last full tile: a partial tile from TILE_PARTIAL_ROWS of them on,
                 // else row by row (a row costs about a quarter of a tile's instructions).

@@ -48,45 +48,36 @@ void rms_norm(uintptr_t x, int64_t rows, int64_t dim, uintptr_t weight, double e
     }
 }
 
-// qkv [T, (hq + 2 hkv) * D] float32 -> q [hq, T, D], k [hkv, T, D] (both rotated), v [hkv, T, D] of type Out
-// (float64 for torch's float64 attention, float32 for attention.inc); cos/sin [T, D] float32 (transformers'
-// rotary embedding, both halves)
-template <class Out>
-void rope_split_as(const float* x, int64_t T, int64_t hq, int64_t hkv, int64_t D, const float* c, const float* s,
-                   Out* qo, Out* ko, Out* vo) {
+// qkv [T, (hq + 2 hkv) * D] float32 -> q [hq, T, D], k [hkv, T, D] (both rotated), v [hkv, T, D], float32 (what
+// attention.inc reads); cos/sin [T, D] float32 (transformers' rotary embedding, both halves)
+void rope_split(uintptr_t qkv, int64_t T, int64_t hq, int64_t hkv, int64_t D, uintptr_t cos, uintptr_t sin,
+                uintptr_t q_out, uintptr_t k_out, uintptr_t v_out) {
+    if (T < 0 || hq <= 0 || hkv <= 0 || D <= 0 || D % 2 || hq % hkv)
+        throw std::invalid_argument("rope_split: bad shape (D even, query heads a multiple of kv heads)");
+    const float* x = as_ptr<const float>(qkv);
+    const float* c = as_ptr<const float>(cos);
+    const float* s = as_ptr<const float>(sin);
+    float* qo = as_ptr<float>(q_out);
+    float* ko = as_ptr<float>(k_out);
+    float* vo = as_ptr<float>(v_out);
     const int64_t width = (hq + 2 * hkv) * D, half = D / 2;
+    py::gil_scoped_release release;
     for (int64_t t = 0; t < T; ++t) {
         const float* row = x + t * width;
         const float* ct = c + t * D;
         const float* st = s + t * D;
         for (int64_t h = 0; h < hq + hkv; ++h) {  // query heads, then key heads
             const float* in = row + h * D;
-            Out* out = h < hq ? qo + (h * T + t) * D : ko + ((h - hq) * T + t) * D;
+            float* out = h < hq ? qo + (h * T + t) * D : ko + ((h - hq) * T + t) * D;
             for (int64_t d = 0; d < D; ++d) {
                 const float rotated = d < half ? -in[d + half] : in[d - half];
                 const float a = in[d] * ct[d];
                 const float b = rotated * st[d];
-                out[d] = static_cast<Out>(a + b);
+                out[d] = a + b;
             }
         }
-        for (int64_t h = 0; h < hkv; ++h) {
-            const float* in = row + (hq + hkv + h) * D;
-            Out* out = vo + (h * T + t) * D;
-            for (int64_t d = 0; d < D; ++d) out[d] = static_cast<Out>(in[d]);
-        }
+        for (int64_t h = 0; h < hkv; ++h) std::memcpy(vo + (h * T + t) * D, row + (hq + hkv + h) * D, D * sizeof(float));
     }
-}
-
-void rope_split(uintptr_t qkv, int64_t T, int64_t hq, int64_t hkv, int64_t D, uintptr_t cos, uintptr_t sin,
-                uintptr_t q_out, uintptr_t k_out, uintptr_t v_out, bool float64) {
-    if (T < 0 || hq <= 0 || hkv <= 0 || D <= 0 || D % 2 || hq % hkv)
-        throw std::invalid_argument("rope_split: bad shape (D even, query heads a multiple of kv heads)");
-    const float* x = as_ptr<const float>(qkv);
-    const float* c = as_ptr<const float>(cos);
-    const float* s = as_ptr<const float>(sin);
-    py::gil_scoped_release release;
-    if (float64) rope_split_as(x, T, hq, hkv, D, c, s, as_ptr<double>(q_out), as_ptr<double>(k_out), as_ptr<double>(v_out));
-    else rope_split_as(x, T, hq, hkv, D, c, s, as_ptr<float>(q_out), as_ptr<float>(k_out), as_ptr<float>(v_out));
 }
 
 }  // namespace
@@ -99,7 +90,7 @@ PYBIND11_MODULE(_layer_native, m) {
     m.def("rms_norm", &rms_norm, py::arg("x"), py::arg("rows"), py::arg("dim"), py::arg("weight"), py::arg("eps"),
           py::arg("out"));
     m.def("rope_split", &rope_split, py::arg("qkv"), py::arg("t"), py::arg("hq"), py::arg("hkv"), py::arg("d"),
-          py::arg("cos"), py::arg("sin"), py::arg("q_out"), py::arg("k_out"), py::arg("v_out"), py::arg("float64"));
+          py::arg("cos"), py::arg("sin"), py::arg("q_out"), py::arg("k_out"), py::arg("v_out"));
     m.def("attention", &attention, py::arg("q"), py::arg("b"), py::arg("t"), py::arg("hq"), py::arg("hkv"), py::arg("d"),
           py::arg("k"), py::arg("v"), py::arg("s"), py::arg("batch_stride"), py::arg("head_stride"), py::arg("mask"),
           py::arg("mask_batch_stride"), py::arg("scale"), py::arg("out"), py::arg("threads"),
