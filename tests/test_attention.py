@@ -118,3 +118,49 @@ def test_a_nan_key_spoils_only_the_rows_that_see_it(D) -> None:
     group = HQ // HKV
     assert out[0, 5:, :group].isnan().all()
     assert torch.isfinite(out[0, :5]).all() and torch.isfinite(out[0, :, group:]).all()
+
+
+def test_two_sessions_forwarding_at_once_on_one_model_get_their_own_rows() -> None:
+    """Two threads through one model's native layers (attention's per-thread scratch, the kernels' thread
+    team): each session's logits are what it gets alone."""
+    import copy
+    import threading
+
+    from thinkahead.models.quantize import quantize_int8
+    from thinkahead.token_spec.backends.hf import HFEngine
+
+    from tests.test_int8_fusion import _qwen2
+    from tests.tiny_models import VOCAB
+
+    engine = HFEngine(quantize_int8(copy.deepcopy(_qwen2(intermediate=96, layers=2))))
+    assert engine.model._native_layers
+    prompts = [[(3 * i + s) % VOCAB for i in range(90)] for s in (1, 2)]
+
+    def script(prompt):
+        session = engine.new_session()
+        out = [engine.forward(session, prompt)]
+        out += [engine.forward(session, [t]) for t in (5, 6, 7, 8)]
+        out.append(engine.forward(session, [9, 10, 11, 12], [-1, 0, 0, 2]))
+        return torch.cat(out)
+
+    alone = [script(p) for p in prompts]
+    together: list = [None, None]
+    errors: list = []
+
+    def run(i):
+        try:
+            for _ in range(5):
+                got = script(prompts[i])
+                if together[i] is None:
+                    together[i] = got
+                assert torch.equal(got, alone[i])
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert torch.equal(together[0], alone[0]) and torch.equal(together[1], alone[1])
