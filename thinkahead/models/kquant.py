@@ -150,6 +150,15 @@ class GGUFLinear(torch.nn.Module):
                             self._biases, out.data_ptr(), torch.get_num_threads())
         return out.reshape(*shape[:-1], self.out_features)
 
+    def kernel_args(self) -> tuple[list[int], list[int], list[int], list[int]]:
+        """The kernel's description of this linear: its parts' types, block addresses, rows and bias addresses
+        (0: none), valid while the module lives (a native layer loop calls the kernel with them)."""
+        return list(self._types), list(self._weights), list(self._rows), list(self._biases)
+
+    def kernel_address(self) -> int:
+        """The address of the kernel's C entry (kquant_linear.cpp's thinkahead_kquant_linear)."""
+        return int(self._kernel.linear_address())
+
     def output_rows(self, ids: torch.Tensor) -> GGUFLinear:
         """A linear whose output j is this one's output `ids[j]`, reading only those weight rows: a view
         of the blocks where ids run consecutively within one tensor, a copy of the rows otherwise."""

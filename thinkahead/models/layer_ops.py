@@ -2,16 +2,22 @@
 
 Why: after the linears, a CPU decode step of the 1.5B model spent ~12 ms of ~77 in about 1,400 small
 torch ops (norms, the rotary embedding, views, casts) and transformers' module calls around them.
-Here a layer is its linears, four native calls (the RMS norm twice, the rotary embedding with the q/k/v
-split, attention) and a few torch ops (the KV cache append, SiLU, the residual adds): 1.5B gguf decode
+Here a layer is its linears, native calls (the RMS norm twice, the rotary embedding with the q/k/v split,
+attention, SiLU times up) and a few torch ops (the KV cache append, the residual adds): 1.5B gguf decode
 step 77-80 -> 73.5-74.3 ms (docs/token_spec.md). A batch of several sequences runs the same calls.
+
+Where every linear is a GGUFLinear and the cache makes room in place (`GrowingCache.room`), the whole stack
+runs in one native call instead (`Layers`, native/layer_loop.inc): the same ops in the same order, the same
+bits, without ~20 Python calls per layer that each linear's streamed weights had evicted from the caches
+(decode step 0.5B 30 -> 21.5 ms, 1.5B 72 -> 62 ms, measured in one process).
 
 Exactness: the native ops compute each row on its own in a fixed order (attention too: native/attention.inc,
 float32 over float32 K/V, half the bytes of the float64 attention it replaced), the linears are row-wise
 and the cache append copies: speculative greedy output equals plain greedy output, and a sequence in a
-batch gets the logits it gets alone. The rotary embedding gives transformers' bits; the norm and attention
-do not (the norm's mean accumulates in float64, attention rounds in its own order), so
-`FusedQwen2ForCausalLM` (fused_qwen2.py) runs these layers for every engine forward, never mixing the two.
+batch gets the logits it gets alone. The rotary embedding gives transformers' bits; the norm, SiLU and
+attention do not (the norm's mean accumulates in float64, SiLU's exponential is attention's, attention
+rounds in its own order), so `FusedQwen2ForCausalLM` (fused_qwen2.py) runs these layers for every engine
+forward, never mixing the two.
 
 Where the extension is not built, `available()` is false and the model keeps the torch ops.
 """
@@ -82,6 +88,9 @@ def run(inner: Any, hidden: torch.Tensor, position_embeddings: tuple[torch.Tenso
     h = hidden.reshape(B * T, H).contiguous()
     cos, sin = (e.to(torch.float32).expand(B, T, -1).reshape(B * T, -1).contiguous() for e in position_embeddings)
     threads = torch.get_num_threads()
+    plan = _plan(native, inner)
+    if plan is not None and T > 0 and callable(getattr(cache, "room", None)):
+        return _run_native(plan, inner, h.clone(), B, T, S, cos, sin, mask, cache, threads).reshape(B, T, H)
     for i, layer in enumerate(inner.layers):
         attn = layer.self_attn
         D = attn.head_dim
@@ -108,9 +117,84 @@ def run(inner: Any, hidden: torch.Tensor, position_embeddings: tuple[torch.Tenso
                          0 if mask is None or mask.shape[0] == 1 else T * S, attn.scaling, out.data_ptr(), threads)
         h = h + attn.o_proj(out)
         mlp = layer.mlp
-        gate, up = mlp.gate_up_proj(_norm(native, layer.post_attention_layernorm, h)).split(mlp.intermediate_size, dim=-1)
-        h = h + mlp.down_proj(mlp.act_fn(gate).mul_(up))
+        h = h + mlp.down_proj(_act(native, inner, mlp, mlp.gate_up_proj(_norm(native, layer.post_attention_layernorm, h))))
     return _norm(native, inner.norm, h).reshape(B, T, H)
+
+
+def _act(native: ModuleType, inner: Any, mlp: Any, gate_up: torch.Tensor) -> torch.Tensor:
+    """act(gate) * up of `gate_up` `[n, 2 I]` (gate | up): native SiLU where the model's act is SiLU (the layer
+    loop's bits), else the model's own."""
+    size = mlp.intermediate_size
+    if getattr(inner.config, "hidden_act", None) == "silu" and gate_up.is_contiguous() and gate_up.dtype == torch.float32:
+        out = torch.empty(gate_up.shape[0], size)
+        native.silu_mul(gate_up.data_ptr(), gate_up.shape[0], size, out.data_ptr())
+        return out
+    gate, up = gate_up.split(size, dim=-1)
+    return mlp.act_fn(gate).mul_(up)
+
+
+def _linear_parts(linear: Any) -> tuple[list[int], list[int], list[int], list[int]] | None:
+    """A GGUFLinear's arguments to the kquant kernel, or None for any other linear."""
+    from thinkahead.models.kquant import GGUFLinear
+
+    return linear.kernel_args() if isinstance(linear, GGUFLinear) else None
+
+
+def _plan(native: ModuleType, inner: Any) -> Any | None:
+    """The native layer loop (layer_loop.inc's `Layers`) of `inner`, built once per model and rebuilt if a norm's
+    weight moved; None where it cannot run the model: a linear that is not a GGUFLinear, an act other than SiLU."""
+    norms = [inner.norm.weight] + [w for layer in inner.layers
+                                   for w in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)]
+    key = tuple(w.data_ptr() for w in norms)
+    cached = inner.__dict__.get("_thinkahead_layers")
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    plan = None
+    if getattr(inner.config, "hidden_act", None) == "silu":
+        plan = _build_plan(native, inner)
+    inner.__dict__["_thinkahead_layers"] = (key, plan)
+    return plan
+
+
+def _build_plan(native: ModuleType, inner: Any) -> Any | None:
+    layers = None
+    for layer in inner.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        specs = [_linear_parts(x) for x in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        if any(spec is None for spec in specs):
+            return None
+        if layers is None:
+            layers = native.Layers(attn.qkv_proj.kernel_address(), inner.config.hidden_size)
+        D = attn.head_dim
+        layers.add(layer.input_layernorm.weight.data_ptr(), layer.input_layernorm.variance_epsilon,
+                   layer.post_attention_layernorm.weight.data_ptr(), layer.post_attention_layernorm.variance_epsilon,
+                   attn.qkv_sizes[0] // D, attn.qkv_sizes[1] // D, D, attn.scaling, *specs)
+    if layers is not None:
+        layers.set_final_norm(inner.norm.weight.data_ptr(), inner.norm.variance_epsilon)
+    return layers
+
+
+def _run_native(plan: Any, inner: Any, h: torch.Tensor, B: int, T: int, S: int, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None, cache: Any, threads: int) -> torch.Tensor:
+    """`plan.run` over `h` `[B * T, H]` (a copy it updates), the new keys/values written into room the cache
+    makes (given back if the run fails)."""
+    attn = inner.layers[0].self_attn
+    D = attn.head_dim
+    room = cache.room(len(inner.layers), B, attn.qkv_sizes[1] // D, D, T)
+    held = S - T
+    if any(got != held for _, _, got in room):
+        cache.crop(-T)  # no layer keeps slots it did not fill (a negative count removes that many)
+        raise RuntimeError(f"the cache's layers hold {sorted({got for _, _, got in room})} tokens, expected {held}")
+    out = torch.empty_like(h)
+    try:
+        plan.run(h.data_ptr(), B, T, cos.data_ptr(), sin.data_ptr(), 0 if mask is None else mask.data_ptr(),
+                 0 if mask is None or mask.shape[0] == 1 else T * S, held,
+                 [k.data_ptr() for k, _, _ in room], [v.data_ptr() for _, v, _ in room], [k.shape[-2] for k, _, _ in room],
+                 out.data_ptr(), threads)
+    except BaseException:
+        cache.crop(-T)
+        raise
+    return out
 
 
 def _checked_mask(mask: torch.Tensor | None, B: int, T: int, S: int) -> torch.Tensor | None:

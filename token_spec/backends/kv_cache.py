@@ -53,6 +53,23 @@ class GrowingLayer(DynamicLayer):
         self.values = self._value_buffer[..., : held + new, :]
         return self.keys, self.values
 
+    def room(self, batch: int, heads: int, dim: int, new: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Room for `new` more float32 tokens, shown at once (`keys`/`values` end with them; the caller writes
+        them, as a native layer loop does): returns the buffers `[batch, heads, capacity, dim]` and the
+        tokens held before."""
+        empty = torch.empty(batch, heads, 0, dim)
+        if not self.is_initialized:
+            self.lazy_initialization(empty, empty)
+        held = self.keys.shape[-2] if self.keys.dim() == 4 else 0
+        if held and (tuple(self.keys.shape) != (batch, heads, held, dim) or self.keys.dtype != torch.float32):
+            raise ValueError(f"the cache holds keys {tuple(self.keys.shape)} {self.keys.dtype}, not float32 "
+                             f"[{batch}, {heads}, tokens, {dim}]")
+        if not (self._owns_views(held) and held + new <= self._key_buffer.shape[-2] and self.keys.dtype == torch.float32):
+            self._grow(empty, empty, held, max(MIN_CAPACITY, (held + new) * 3 // 2))
+        self.keys = self._key_buffer[..., : held + new, :]
+        self.values = self._value_buffer[..., : held + new, :]
+        return self._key_buffer, self._value_buffer, held
+
     def _grow(self, key_states: torch.Tensor, value_states: torch.Tensor, held: int, capacity: int) -> None:
         keys = key_states.new_empty((*key_states.shape[:2], capacity, key_states.shape[-1]))
         values = value_states.new_empty((*value_states.shape[:2], capacity, value_states.shape[-1]))
@@ -83,3 +100,13 @@ class GrowingCache(DynamicCache):
     def __init__(self) -> None:
         super().__init__()
         self.layer_class_to_replicate = GrowingLayer
+
+    def room(self, layers: int, batch: int, heads: int, dim: int,
+             new: int) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+        """`GrowingLayer.room` for layers 0 .. layers - 1 (created where missing), or ValueError where one is
+        not a GrowingLayer."""
+        while len(self.layers) < layers:
+            self.layers.append(self.layer_class_to_replicate())
+        if not all(isinstance(layer, GrowingLayer) for layer in self.layers[:layers]):
+            raise ValueError("only GrowingLayer caches make room in place")
+        return [layer.room(batch, heads, dim, new) for layer in self.layers[:layers]]

@@ -293,13 +293,11 @@ void set_isa(const std::string& name) {
 }
 
 // out[M, N] = x[M, K] @ W.T (+ bias) for a linear stored in parts: part p holds output columns
-// [offset_p, offset_p + rows_p) as a ggml tensor of `types[p]` ([rows_p, K] in its blocks). Pointers are
-// data_ptr()s of tensors the caller keeps alive.
-void linear(uintptr_t x, int64_t M, int64_t K, const py::list& types, const py::list& weights, const py::list& rows,
-            const py::list& biases, uintptr_t out, int threads) {
-    const size_t parts = py::len(types);
-    if (M < 0 || K <= 0 || parts == 0 || py::len(weights) != parts || py::len(rows) != parts || py::len(biases) != parts)
-        throw std::invalid_argument("kquant linear: bad shape or part lists");
+// [offset_p, offset_p + rows_p) as a ggml tensor of `types[p]` ([rows_p, K] in its blocks), bias[p] null or
+// its rows_p biases. Pointers address tensors the caller keeps alive. No Python: runs without the GIL.
+void linear_parts(const float* xf, int64_t M, int64_t K, const int* types, const uint8_t* const* weights,
+                  const int64_t* rows, const float* const* biases, size_t parts, float* out, int threads) {
+    if (M < 0 || K <= 0 || parts == 0) throw std::invalid_argument("kquant linear: bad shape or part lists");
     if (!thinkahead_native::avx2_fma_supported()) throw std::runtime_error("kquant linear: this CPU lacks AVX2/FMA");
     Job job;
     job.isa = current_isa();
@@ -307,8 +305,7 @@ void linear(uintptr_t x, int64_t M, int64_t K, const py::list& types, const py::
     job.K = K;
     bool need_k = false, need_b = false;
     for (size_t p = 0; p < parts; ++p) {
-        Part part{types[p].cast<int>(), as_ptr<const uint8_t>(weights[p].cast<uintptr_t>()), rows[p].cast<int64_t>(),
-                  as_ptr<const float>(biases[p].cast<uintptr_t>()), job.N};
+        Part part{types[p], weights[p], rows[p], biases[p], job.N};
         block_bytes(part.type);  // throws for an unknown type here, not inside the parallel region
         if (K % block_values(part.type) != 0 || part.rows <= 0)
             throw std::invalid_argument("kquant linear: K must be a multiple of the block size, rows > 0");
@@ -329,36 +326,51 @@ void linear(uintptr_t x, int64_t M, int64_t K, const py::list& types, const py::
     thread_local std::vector<Q8K> xk;
     thread_local std::vector<Q8B> xb;
     thread_local std::vector<float> xbd;
-    const float* xf = as_ptr<const float>(x);
-    {
-        py::gil_scoped_release release;
-        if (need_k) {
-            xk.resize(static_cast<size_t>(M * (K / QK_K)));
-            for (int64_t m = 0; m < M; ++m) quantize_q8k(xf + m * K, K, xk.data() + m * (K / QK_K));
-            job.xk = xk.data();
-            const int64_t set = tile_from.load();
-            const int64_t from = set != TILE_FROM_AUTO ? set : rows_per_pass(job.isa) == 8 ? TILE_FROM_ROWS_8 : TILE_FROM_ROWS_4;
-            if (job.isa != AVX2 && from > 0 && M >= from && M >= TILE) {
-                // Rows left over past the last full tile: a partial tile from TILE_PARTIAL_ROWS of them on,
-                // else row by row (a row costs about a quarter of a tile's instructions).
-                job.tiled = M % TILE >= TILE_PARTIAL_ROWS ? M : M / TILE * TILE;
-                thread_local std::vector<XTile> xt;
-                xt.resize(static_cast<size_t>((job.tiled + TILE - 1) / TILE * (K / QK_K)));
-                make_tiles(xk.data(), job.tiled, K / QK_K, xt.data());
-                job.xt = xt.data();
-            }
+    if (need_k) {
+        xk.resize(static_cast<size_t>(M * (K / QK_K)));
+        for (int64_t m = 0; m < M; ++m) quantize_q8k(xf + m * K, K, xk.data() + m * (K / QK_K));
+        job.xk = xk.data();
+        const int64_t set = tile_from.load();
+        const int64_t from = set != TILE_FROM_AUTO ? set : rows_per_pass(job.isa) == 8 ? TILE_FROM_ROWS_8 : TILE_FROM_ROWS_4;
+        if (job.isa != AVX2 && from > 0 && M >= from && M >= TILE) {
+            // Rows left over past the last full tile: a partial tile from TILE_PARTIAL_ROWS of them on,
+            // else row by row (a row costs about a quarter of a tile's instructions).
+            job.tiled = M % TILE >= TILE_PARTIAL_ROWS ? M : M / TILE * TILE;
+            thread_local std::vector<XTile> xt;
+            xt.resize(static_cast<size_t>((job.tiled + TILE - 1) / TILE * (K / QK_K)));
+            make_tiles(xk.data(), job.tiled, K / QK_K, xt.data());
+            job.xt = xt.data();
         }
-        if (need_b) {
-            const int64_t nb = K / QK;
-            xb.resize(static_cast<size_t>(M * nb));
-            xbd.assign(static_cast<size_t>(M * nb + GROUP), 0.0f);
-            for (int64_t m = 0; m < M; ++m) quantize_q8b(xf + m * K, K, xb.data() + m * nb, xbd.data() + m * nb);
-            job.xb = xb.data();
-            job.xbd = xbd.data();
-        }
-        job.out = as_ptr<float>(out);
-        thinkahead_native::run_chunks({&run_chunk, &job, static_cast<int64_t>(job.chunk_part.size())}, threads);
     }
+    if (need_b) {
+        const int64_t nb = K / QK;
+        xb.resize(static_cast<size_t>(M * nb));
+        xbd.assign(static_cast<size_t>(M * nb + GROUP), 0.0f);
+        for (int64_t m = 0; m < M; ++m) quantize_q8b(xf + m * K, K, xb.data() + m * nb, xbd.data() + m * nb);
+        job.xb = xb.data();
+        job.xbd = xbd.data();
+    }
+    job.out = out;
+    thinkahead_native::run_chunks({&run_chunk, &job, static_cast<int64_t>(job.chunk_part.size())}, threads);
+}
+
+void linear(uintptr_t x, int64_t M, int64_t K, const py::list& types, const py::list& weights, const py::list& rows,
+            const py::list& biases, uintptr_t out, int threads) {
+    const size_t parts = py::len(types);
+    if (py::len(weights) != parts || py::len(rows) != parts || py::len(biases) != parts)
+        throw std::invalid_argument("kquant linear: bad shape or part lists");
+    std::vector<int> t(parts);
+    std::vector<const uint8_t*> w(parts);
+    std::vector<int64_t> r(parts);
+    std::vector<const float*> b(parts);
+    for (size_t p = 0; p < parts; ++p) {
+        t[p] = types[p].cast<int>();
+        w[p] = as_ptr<const uint8_t>(weights[p].cast<uintptr_t>());
+        r[p] = rows[p].cast<int64_t>();
+        b[p] = as_ptr<const float>(biases[p].cast<uintptr_t>());
+    }
+    py::gil_scoped_release release;
+    linear_parts(as_ptr<const float>(x), M, K, t.data(), w.data(), r.data(), b.data(), parts, as_ptr<float>(out), threads);
 }
 
 // Rewrites a [rows, cols] tensor's blocks from the file's layout into the kernel's (kquant_layout.inc);
@@ -388,6 +400,23 @@ void repack(int type, uintptr_t src, uintptr_t dst, int64_t rows, int64_t cols) 
 
 }  // namespace
 
+// linear_parts for another extension, by address (`linear_address`): 0, or 1 with the error's message in
+// `error` (never an exception across the modules' boundary).
+extern "C" int thinkahead_kquant_linear(const float* x, int64_t M, int64_t K, const int* types, const uint8_t* const* weights,
+                                        const int64_t* rows, const float* const* biases, int64_t parts, float* out,
+                                        int threads, char* error, int64_t error_size) {
+    try {
+        linear_parts(x, M, K, types, weights, rows, biases, static_cast<size_t>(parts), out, threads);
+        return 0;
+    } catch (const std::exception& e) {
+        if (error_size > 0) {
+            std::strncpy(error, e.what(), static_cast<size_t>(error_size - 1));
+            error[error_size - 1] = 0;
+        }
+        return 1;
+    }
+}
+
 PYBIND11_MODULE(_kquant_native, m) {
     m.doc() = "AVX2 linears on GGUF quantized blocks (see thinkahead/models/kquant.py)";
     m.attr("Q4_0") = static_cast<int>(Q4_0);
@@ -403,6 +432,8 @@ PYBIND11_MODULE(_kquant_native, m) {
     m.def("block_bytes", &block_bytes, py::arg("type"));
     m.def("linear", &linear, py::arg("x"), py::arg("m"), py::arg("k"), py::arg("types"), py::arg("weights"),
           py::arg("rows"), py::arg("biases"), py::arg("out"), py::arg("threads"));
+    m.def("linear_address", [] { return reinterpret_cast<uintptr_t>(&thinkahead_kquant_linear); },
+          "the address of the C entry thinkahead_kquant_linear (layer_ops.cpp's layer loop calls it)");
     m.def("repack", &repack, py::arg("type"), py::arg("src"), py::arg("dst"), py::arg("rows"), py::arg("cols"),
           "rewrite blocks from the file's layout into the kernel's (src == dst: in place)");
     m.def("threading", &thinkahead_native::threading);

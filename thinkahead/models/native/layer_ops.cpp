@@ -19,6 +19,7 @@
 #include <cstring>
 #include <limits>
 #include <stdexcept>
+#include <string>
 #include <vector>
 
 namespace py = pybind11;
@@ -29,12 +30,7 @@ namespace {
 constexpr int LANES = 8;  // partial sums of the norm's sum of squares: a fixed order the compiler keeps in vectors
 
 // out[r] = w * (x[r] / sqrt(mean(x[r]^2) + eps)), the mean in float64
-void rms_norm(uintptr_t x, int64_t rows, int64_t dim, uintptr_t weight, double eps, uintptr_t out) {
-    if (rows < 0 || dim <= 0) throw std::invalid_argument("rms_norm: bad shape");
-    const float* xs = as_ptr<const float>(x);
-    const float* w = as_ptr<const float>(weight);
-    float* o = as_ptr<float>(out);
-    py::gil_scoped_release release;
+void rms_norm_rows(const float* xs, int64_t rows, int64_t dim, const float* w, double eps, float* o) {
     for (int64_t r = 0; r < rows; ++r) {
         const float* v = xs + r * dim;
         double acc[LANES] = {};
@@ -48,20 +44,19 @@ void rms_norm(uintptr_t x, int64_t rows, int64_t dim, uintptr_t weight, double e
     }
 }
 
+void rms_norm(uintptr_t x, int64_t rows, int64_t dim, uintptr_t weight, double eps, uintptr_t out) {
+    if (rows < 0 || dim <= 0) throw std::invalid_argument("rms_norm: bad shape");
+    py::gil_scoped_release release;
+    rms_norm_rows(as_ptr<const float>(x), rows, dim, as_ptr<const float>(weight), eps, as_ptr<float>(out));
+}
+
 // qkv [T, (hq + 2 hkv) * D] float32 -> q [hq, T, D], k [hkv, T, D] (both rotated), v [hkv, T, D], float32 (what
 // attention.inc reads); cos/sin [T, D] float32 (transformers' rotary embedding, both halves)
-void rope_split(uintptr_t qkv, int64_t T, int64_t hq, int64_t hkv, int64_t D, uintptr_t cos, uintptr_t sin,
-                uintptr_t q_out, uintptr_t k_out, uintptr_t v_out) {
+void rope_split_rows(const float* x, int64_t T, int64_t hq, int64_t hkv, int64_t D, const float* c, const float* s,
+                     float* qo, float* ko, float* vo) {
     if (T < 0 || hq <= 0 || hkv <= 0 || D <= 0 || D % 2 || hq % hkv)
         throw std::invalid_argument("rope_split: bad shape (D even, query heads a multiple of kv heads)");
-    const float* x = as_ptr<const float>(qkv);
-    const float* c = as_ptr<const float>(cos);
-    const float* s = as_ptr<const float>(sin);
-    float* qo = as_ptr<float>(q_out);
-    float* ko = as_ptr<float>(k_out);
-    float* vo = as_ptr<float>(v_out);
     const int64_t width = (hq + 2 * hkv) * D, half = D / 2;
-    py::gil_scoped_release release;
     for (int64_t t = 0; t < T; ++t) {
         const float* row = x + t * width;
         const float* ct = c + t * D;
@@ -80,9 +75,17 @@ void rope_split(uintptr_t qkv, int64_t T, int64_t hq, int64_t hkv, int64_t D, ui
     }
 }
 
+void rope_split(uintptr_t qkv, int64_t T, int64_t hq, int64_t hkv, int64_t D, uintptr_t cos, uintptr_t sin,
+                uintptr_t q_out, uintptr_t k_out, uintptr_t v_out) {
+    py::gil_scoped_release release;
+    rope_split_rows(as_ptr<const float>(qkv), T, hq, hkv, D, as_ptr<const float>(cos), as_ptr<const float>(sin),
+                    as_ptr<float>(q_out), as_ptr<float>(k_out), as_ptr<float>(v_out));
+}
+
 }  // namespace
 
 #include "attention.inc"
+#include "layer_loop.inc"
 
 PYBIND11_MODULE(_layer_native, m) {
     m.doc() = "Row-wise decoder-layer ops: RMS norm, rotary split, attention (see thinkahead/models/layer_ops.py)";
@@ -95,4 +98,16 @@ PYBIND11_MODULE(_layer_native, m) {
           py::arg("k"), py::arg("v"), py::arg("s"), py::arg("batch_stride"), py::arg("head_stride"), py::arg("mask"),
           py::arg("mask_batch_stride"), py::arg("scale"), py::arg("out"), py::arg("threads"),
           "float32 attention whose rows never depend on the call's shape (attention.inc)");
+    m.def("silu_mul", &silu_mul, py::arg("gate_up"), py::arg("rows"), py::arg("i"), py::arg("out"),
+          "out [rows, i] = silu(gate_up[:, :i]) * gate_up[:, i:] (layer_loop.inc)");
+    py::class_<Layers>(m, "Layers", "a model's decoder layers in one native call (layer_loop.inc)")
+        .def(py::init<uintptr_t, int64_t>(), py::arg("linear_address"), py::arg("hidden"))
+        .def("add", &Layers::add, py::arg("norm1"), py::arg("eps1"), py::arg("norm2"), py::arg("eps2"), py::arg("hq"),
+             py::arg("hkv"), py::arg("d"), py::arg("scale"), py::arg("qkv"), py::arg("o"), py::arg("gate_up"),
+             py::arg("down"))
+        .def("set_final_norm", &Layers::set_final_norm, py::arg("weight"), py::arg("eps"))
+        .def("__len__", &Layers::size)
+        .def("run", &Layers::run, py::arg("h"), py::arg("b"), py::arg("t"), py::arg("cos"), py::arg("sin"),
+             py::arg("mask"), py::arg("mask_batch_stride"), py::arg("held"), py::arg("keys"), py::arg("values"),
+             py::arg("capacity"), py::arg("out"), py::arg("threads"));
 }
