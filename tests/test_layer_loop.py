@@ -155,3 +155,15 @@ def test_plans_that_do_not_fit_are_refused_by_name(engine) -> None:
     plan.set_final_norm(norm, 1e-6)
     with pytest.raises(ValueError, match="room"):
         plan.run(0, 1, 4, 0, 0, 0, 0, 10, [1], [1], [12], 0, 1)  # 10 held + 4 new in a buffer of 12
+
+
+def test_layers_of_different_lengths_are_refused_and_kept_as_they_were(engine) -> None:
+    model = engine.model
+    cache = GrowingCache()
+    ids = torch.tensor([[(5 * i + 1) % VOCAB for i in range(12)]])
+    with torch.no_grad():
+        model(ids, cache=cache, use_cache=True)
+        cache.layers[1].crop(-1)  # one layer a token short: the native loop would read a slot never written
+        with pytest.raises(RuntimeError, match="expected 12"):
+            model(torch.tensor([[3, 4]]), cache=cache, use_cache=True)
+    assert [layer.keys.shape[-2] for layer in cache.layers] == [12, 11] + [12] * (len(cache.layers) - 2)

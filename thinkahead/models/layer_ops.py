@@ -174,6 +174,13 @@ def _build_plan(native: ModuleType, inner: Any) -> Any | None:
     return layers
 
 
+def _fits_room(keys: torch.Tensor, values: torch.Tensor, shape: tuple[int, int, int]) -> bool:
+    """Whether a layer's buffers are contiguous float32 CPU `[B, hkv, capacity, D]` alike."""
+    return (keys.dtype == values.dtype == torch.float32 and keys.device.type == values.device.type == "cpu"
+            and keys.is_contiguous() and values.is_contiguous() and keys.shape == values.shape and keys.dim() == 4
+            and (keys.shape[0], keys.shape[1], keys.shape[3]) == shape)
+
+
 def _run_native(plan: Any, inner: Any, h: torch.Tensor, B: int, T: int, S: int, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None, cache: Any, threads: int) -> torch.Tensor:
     """`plan.run` over `h` `[B * T, H]` (a copy it updates), the new keys/values written into room the cache
@@ -181,10 +188,11 @@ def _run_native(plan: Any, inner: Any, h: torch.Tensor, B: int, T: int, S: int, 
     attn = inner.layers[0].self_attn
     D = attn.head_dim
     room = cache.room(len(inner.layers), B, attn.qkv_sizes[1] // D, D, T)
-    held = S - T
-    if any(got != held for _, _, got in room):
+    held, shape = S - T, (B, attn.qkv_sizes[1] // D, D)
+    if any(got != held or not _fits_room(k, v, shape) for k, v, got in room):  # the native loop reads raw memory
         cache.crop(-T)  # no layer keeps slots it did not fill (a negative count removes that many)
-        raise RuntimeError(f"the cache's layers hold {sorted({got for _, _, got in room})} tokens, expected {held}")
+        raise RuntimeError(f"the cache's layers hold {sorted({got for _, _, got in room})} tokens (expected {held}) "
+                           f"or buffers that are not contiguous float32 {list(shape)}")
     out = torch.empty_like(h)
     try:
         plan.run(h.data_ptr(), B, T, cos.data_ptr(), sin.data_ptr(), 0 if mask is None else mask.data_ptr(),
