@@ -247,3 +247,30 @@ def test_tiles_of_eight_rows_give_the_row_by_row_bits(name) -> None:
     finally:
         native.set_tile_from(default)
         torch.set_num_threads(threads_before)
+
+
+@pytest.mark.parametrize("name", sorted(TYPES))
+def test_embedding_rows_are_gguf_pys_dequantized_bits(name, monkeypatch) -> None:
+    """The native row lookup (kquant_rows.inc) gives gguf-py's dequantize bit for bit (block scales that are
+    subnormal, infinite or NaN too), for any ids, and refuses ids outside the table by name."""
+    import gguf.quants
+    from gguf.quants import dequantize
+
+    from thinkahead.models.kquant import GGUFEmbedding, QuantTensor
+
+    kind = TYPES[name]
+    cols = 512
+    blocks = random_blocks(kind, 40, cols, seed=3).reshape(40, cols // kquant.BLOCK_GEOMETRY[int(kind)][0], -1)
+    at = blocks.shape[-1] - 2 if kind == T.Q6_K else 0  # where a block's fp16 scale d sits
+    for row, value in ((0, 3e-7), (7, np.inf), (12, -np.inf), (39, np.nan)):
+        blocks[row, 1, at:at + 2] = np.array([value], dtype=np.float16).view(np.uint8)
+    blocks = blocks.reshape(40, -1)
+    table = torch.from_numpy(blocks.copy())
+    embedding = GGUFEmbedding(QuantTensor("token_embd.weight", int(kind), 40, cols, table))
+    ids = torch.tensor([[0, 39, 7, 7], [12, 3, 38, 1]])
+    expected = dequantize(blocks[ids.reshape(-1).numpy()], kind).reshape(2, 4, cols)
+    monkeypatch.setattr(gguf.quants, "dequantize", None)  # the native path runs, never numpy's
+    got = embedding(ids)
+    assert got.shape == (2, 4, cols) and np.array_equal(got.numpy().view(np.uint32), expected.astype(np.float32).view(np.uint32))
+    with pytest.raises(ValueError, match="token ids"):
+        embedding(torch.tensor([40]))

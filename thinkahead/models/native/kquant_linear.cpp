@@ -83,6 +83,7 @@ struct alignas(32) Q8B {  // x per 32 values: the codes (the scales in an array 
 };
 
 #include "kquant_layout.inc"
+#include "kquant_rows.inc"
 
 // ---- activation quantization (scalar: a few thousand values per row, next to megabytes of weights) --
 
@@ -434,6 +435,8 @@ PYBIND11_MODULE(_kquant_native, m) {
           py::arg("rows"), py::arg("biases"), py::arg("out"), py::arg("threads"));
     m.def("linear_address", [] { return reinterpret_cast<uintptr_t>(&thinkahead_kquant_linear); },
           "the address of the C entry thinkahead_kquant_linear (layer_ops.cpp's layer loop calls it)");
+    m.def("dequantize_rows", &dequantize_rows, py::arg("type"), py::arg("blocks"), py::arg("rows"), py::arg("cols"),
+          py::arg("ids"), py::arg("n"), py::arg("out"), "rows `ids` (int64) of a file-layout tensor as float32 (kquant_rows.inc)");
     m.def("repack", &repack, py::arg("type"), py::arg("src"), py::arg("dst"), py::arg("rows"), py::arg("cols"),
           "rewrite blocks from the file's layout into the kernel's (src == dst: in place)");
     m.def("threading", &thinkahead_native::threading);
