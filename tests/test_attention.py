@@ -124,11 +124,11 @@ def test_two_sessions_forwarding_at_once_on_one_model_get_their_own_rows() -> No
     """Two threads through one model's native layers (attention's per-thread scratch, the kernels' thread
     team): each session's logits are what it gets alone."""
     import copy
-    import threading
 
     from thinkahead.models.quantize import quantize_int8
     from thinkahead.token_spec.backends.hf import HFEngine
 
+    from tests.concurrency import run_at_once
     from tests.test_int8_fusion import _qwen2
     from tests.tiny_models import VOCAB
 
@@ -145,22 +145,13 @@ def test_two_sessions_forwarding_at_once_on_one_model_get_their_own_rows() -> No
 
     alone = [script(p) for p in prompts]
     together: list = [None, None]
-    errors: list = []
 
     def run(i):
-        try:
-            for _ in range(5):
-                got = script(prompts[i])
-                if together[i] is None:
-                    together[i] = got
-                assert torch.equal(got, alone[i])
-        except Exception as e:  # noqa: BLE001 - reported below
-            errors.append(e)
+        for _ in range(5):
+            got = script(prompts[i])
+            if together[i] is None:
+                together[i] = got
+            assert torch.equal(got, alone[i])
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    run_at_once(lambda: run(0), lambda: run(1))
     assert torch.equal(together[0], alone[0]) and torch.equal(together[1], alone[1])

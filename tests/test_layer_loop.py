@@ -4,8 +4,6 @@ threads at once; the cache is left as it was when a run fails; SiLU close to tor
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
@@ -16,6 +14,7 @@ from thinkahead.models import gguf_native, layer_ops
 from thinkahead.token_spec.backends.hf import HFEngine
 from thinkahead.token_spec.backends.kv_cache import GrowingCache
 
+from tests.concurrency import run_at_once
 from tests.test_gguf_native import tiny_config, write_tiny_gguf
 from tests.tiny_models import VOCAB
 
@@ -69,21 +68,12 @@ def test_a_sequence_in_a_batch_gets_what_it_gets_alone(engine, monkeypatch) -> N
 def test_two_threads_at_once_get_what_each_gets_alone(engine) -> None:
     prompts = [[(3 * i + s) % VOCAB for i in range(70)] for s in (1, 2)]
     alone = [script(engine, p) for p in prompts]
-    errors: list[BaseException] = []
 
     def run(i: int) -> None:
-        try:
-            for _ in range(4):
-                assert torch.equal(script(engine, prompts[i]), alone[i])
-        except BaseException as e:  # noqa: BLE001 - reported below
-            errors.append(e)
+        for _ in range(4):
+            assert torch.equal(script(engine, prompts[i]), alone[i])
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    run_at_once(lambda: run(0), lambda: run(1))
 
 
 def test_a_failed_run_leaves_the_cache_as_it_was(engine, monkeypatch) -> None:
