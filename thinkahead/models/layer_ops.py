@@ -61,16 +61,28 @@ def rms_norm(norm: Any, hidden: torch.Tensor) -> torch.Tensor:
     return _norm(native, norm, hidden.reshape(-1, hidden.shape[-1]).contiguous()).reshape(hidden.shape)
 
 
+def _norm_key(inner: Any) -> tuple[int, ...]:
+    """Where the norm weights of `inner` live: a model moved, cast or given new weights changes it."""
+    return (inner.norm.weight.data_ptr(), *(w.data_ptr() for layer in inner.layers
+                                            for w in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)))
+
+
 def supports(model: Any) -> bool:
     """Whether the layers of `model` (a fused Qwen2) can run here now: the extension, float32 norm weights
-    of the hidden size, contiguous, on the CPU (checked at every forward: a model can be moved or cast)."""
+    of the hidden size, contiguous, on the CPU (checked at every forward: a model can be moved or cast; the
+    full check runs again whenever a norm weight's memory changed, its pass kept under `_norm_key`)."""
     if not available():
         return False
     inner = model.model
+    key = _norm_key(inner)
+    if inner.__dict__.get("_thinkahead_supported") == key:
+        return True
     hidden = model.config.hidden_size
-    return _fits(inner.norm.weight, hidden) and all(
+    ok = _fits(inner.norm.weight, hidden) and all(
         _fits(layer.input_layernorm.weight, hidden) and _fits(layer.post_attention_layernorm.weight, hidden)
         for layer in inner.layers)
+    inner.__dict__["_thinkahead_supported"] = key if ok else None
+    return ok
 
 
 def run(inner: Any, hidden: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
@@ -143,9 +155,7 @@ def _linear_parts(linear: Any) -> tuple[list[int], list[int], list[int], list[in
 def _plan(native: ModuleType, inner: Any) -> Any | None:
     """The native layer loop (layer_loop.inc's `Layers`) of `inner`, built once per model and rebuilt if a norm's
     weight moved; None where it cannot run the model: a linear that is not a GGUFLinear, an act other than SiLU."""
-    norms = [inner.norm.weight] + [w for layer in inner.layers
-                                   for w in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)]
-    key = tuple(w.data_ptr() for w in norms)
+    key = _norm_key(inner)
     cached = inner.__dict__.get("_thinkahead_layers")
     if cached is not None and cached[0] == key:
         return cached[1]
