@@ -396,7 +396,9 @@ def main() -> None:
         "target": args.target, "draft": args.draft, "dtype": args.dtype, "threads": torch.get_num_threads(),
         "machine": f"{platform.machine()} CPU ({cpu_features()}), {torch.get_num_threads()} threads, torch {torch.__version__}",
         "command": "python bench/token_spec.py " + " ".join(sys.argv[1:]), "load_s": round(load_s, 1),
+        # ours: the config's attention name; on native layers (fused Qwen2, int8/gguf) attention is native float32
         "attention": {"transformers": "sdpa", "ours": loaded_attention},
+        "native_layers": bool(getattr(target, "_native_layers", False)),
         "llama_cpp_python": llama_version(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "sizes": sizes, "max_new_tokens": max_new, "max_draft": args.max_draft, "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
     }
