@@ -20,10 +20,15 @@ from tests.tiny_models import VOCAB
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
+def tiny_path(tmp_path_factory):
     path = tmp_path_factory.mktemp("loop-gguf") / "tiny.gguf"
     write_tiny_gguf(path)
-    engine = HFEngine(gguf_native.build_model(path, tiny_config()))
+    return path
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_path):
+    engine = HFEngine(gguf_native.build_model(tiny_path, tiny_config()))
     assert engine.model._native_layers
     return engine
 
@@ -129,22 +134,84 @@ def test_silu_mul_is_close_to_torch_and_the_same_in_every_lane() -> None:
     assert odd[3] == 0.0 and odd[4] == 90.0 and -1e-30 < float(odd[5]) <= 0.0
 
 
-def test_plans_that_do_not_fit_are_refused_by_name(engine) -> None:
-    with pytest.raises(ValueError, match="address"):
-        native.Layers(0, 64)
-    layer = engine.model.model.layers[0]
+def test_plans_and_calls_that_do_not_fit_are_refused_by_name(engine) -> None:
+    model = engine.model
+    H = model.config.hidden_size
+    layer = model.model.layers[0]
     attn, mlp = layer.self_attn, layer.mlp
-    plan = native.Layers(attn.qkv_proj.kernel_address(), engine.model.config.hidden_size)
-    norm = layer.input_layernorm.weight.data_ptr()
-    specs = [x.kernel_args() for x in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+    norm, D = layer.input_layernorm.weight.data_ptr(), attn.head_dim
+    linears = [x.kernel_args() for x in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+
+    def spec(hkv=2, linears=linears):
+        return (norm, 1e-6, norm, 1e-6, 4, hkv, D, 0.1, *linears)
+
+    address = attn.qkv_proj.kernel_address()
+    with pytest.raises(ValueError, match="address"):
+        native.Layers(0, H, [spec()], norm, 1e-6)
     with pytest.raises(ValueError, match="do not fit"):
-        plan.add(norm, 1e-6, norm, 1e-6, 8, 2, attn.head_dim, 0.1, *specs)  # 8 query heads: qkv is narrower
+        native.Layers(address, H, [spec(hkv=1)], norm, 1e-6)  # 1 kv head: qkv is wider
     with pytest.raises(ValueError, match="lists of one length"):
-        plan.add(norm, 1e-6, norm, 1e-6, 4, 2, attn.head_dim, 0.1, ([], [], [], []), *specs[1:])
-    plan.add(norm, 1e-6, norm, 1e-6, 4, 2, attn.head_dim, 0.1, *specs)
-    plan.set_final_norm(norm, 1e-6)
+        native.Layers(address, H, [spec(linears=[([], [], [], [], H), *linears[1:]])], norm, 1e-6)
+    with pytest.raises(ValueError, match="reads 64 values, its input has"):
+        native.Layers(address, H, [spec(linears=[linears[0], (*linears[1][:4], 64), *linears[2:]])], norm, 1e-6)
+    plan = native.Layers(address, H, [spec()], norm, 1e-6)
+    h, out = torch.zeros(4, H), torch.zeros(4, H)
+    rope = torch.zeros(4, D)
+    keys = torch.zeros(1, 2, 16, D)
+
+    def run(hidden=H, rotary=D, capacity=16):
+        plan.run(h.data_ptr(), 1, 4, hidden, rope.data_ptr(), rope.data_ptr(), rotary, 0, 0, 10, [keys.data_ptr()],
+                 [keys.data_ptr()], [capacity], out.data_ptr(), 1)
+
+    with pytest.raises(ValueError, match="rows of 32 values, the layers take"):
+        run(hidden=32)
+    with pytest.raises(ValueError, match="rotary rows of 32 values"):
+        run(rotary=32)
     with pytest.raises(ValueError, match="room"):
-        plan.run(0, 1, 4, 0, 0, 0, 0, 10, [1], [1], [12], 0, 1)  # 10 held + 4 new in a buffer of 12
+        run(capacity=12)  # 10 held + 4 new
+
+
+def test_a_replaced_linear_rebuilds_the_loop(tiny_path, monkeypatch) -> None:
+    """The loop holds pointers into the linears it was built from: swapping one in makes it build anew, so the
+    forward uses the new weights (and the Python loop's bits)."""
+    model = gguf_native.build_model(tiny_path, tiny_config())
+    mlp = model.model.layers[0].mlp
+    prompt = [(7 * i + 3) % VOCAB for i in range(9)]
+    engine = HFEngine(model)
+    before = engine.forward(engine.new_session(), prompt)
+    mlp.down_proj = model.model.layers[1].mlp.down_proj
+    after = engine.forward(engine.new_session(), prompt)
+    assert not torch.equal(before, after)
+    python_loop(monkeypatch)
+    assert torch.equal(after, engine.forward(engine.new_session(), prompt))
+
+
+def test_a_cache_holding_float64_keys_continues_exactly(engine) -> None:
+    """transformers' float64 attention leaves float64 K/V in the cache (float32 values, exactly): the next native
+    forward copies them back to float32 instead of failing."""
+    model = engine.model
+    ids = torch.tensor([[(5 * i + 1) % VOCAB for i in range(10)]])
+    with torch.no_grad():
+        cache = GrowingCache()
+        model(ids, cache=cache, use_cache=True)
+        want = model(torch.tensor([[3, 4]]), cache=cache, use_cache=True).logits
+        cache = GrowingCache()
+        model(ids, cache=cache, use_cache=True)
+        for layer in cache.layers:
+            layer.keys, layer.values = layer.keys.double(), layer.values.double()
+        got = model(torch.tensor([[3, 4]]), cache=cache, use_cache=True).logits
+    assert torch.equal(got, want)
+
+
+def test_a_cache_layer_that_cannot_make_room_changes_no_layer(engine) -> None:
+    model = engine.model
+    cache = GrowingCache()
+    with torch.no_grad():
+        model(torch.tensor([[(5 * i + 1) % VOCAB for i in range(6)]]), cache=cache, use_cache=True)
+        cache.layers[1].keys = cache.layers[1].keys.half()  # a layer room cannot extend
+        with pytest.raises(ValueError, match="float16"):
+            model(torch.tensor([[3, 4]]), cache=cache, use_cache=True)
+    assert [layer.keys.shape[-2] for layer in cache.layers] == [6] * len(cache.layers)
 
 
 def test_layers_of_different_lengths_are_refused_and_kept_as_they_were(engine) -> None:

@@ -48,6 +48,10 @@ class FusedQwen2Attention(qwen2.Qwen2Attention):
 
     qkv_sizes: tuple[int, int, int]
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        layer_ops.structure_changed()  # a native layer loop built on the old linear must not run it
+
     def forward(  # type: ignore[override]
         self,
         hidden_states: torch.Tensor,
@@ -84,6 +88,10 @@ class FusedQwen2Attention(qwen2.Qwen2Attention):
 
 class FusedQwen2MLP(qwen2.Qwen2MLP):
     """`Qwen2MLP` with `gate_up_proj` (one linear, outputs gate | up) instead of gate/up_proj."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        layer_ops.structure_changed()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)

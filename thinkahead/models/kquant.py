@@ -150,10 +150,11 @@ class GGUFLinear(torch.nn.Module):
                             self._biases, out.data_ptr(), torch.get_num_threads())
         return out.reshape(*shape[:-1], self.out_features)
 
-    def kernel_args(self) -> tuple[list[int], list[int], list[int], list[int]]:
+    def kernel_args(self) -> tuple[list[int], list[int], list[int], list[int], int]:
         """The kernel's description of this linear: its parts' types, block addresses, rows and bias addresses
-        (0: none), valid while the module lives (a native layer loop calls the kernel with them)."""
-        return list(self._types), list(self._weights), list(self._rows), list(self._biases)
+        (0: none), and the values it reads, valid while the module lives (a native layer loop calls the kernel
+        with them)."""
+        return list(self._types), list(self._weights), list(self._rows), list(self._biases), self.in_features
 
     def kernel_address(self) -> int:
         """The address of the kernel's C entry (kquant_linear.cpp's thinkahead_kquant_linear)."""
@@ -208,11 +209,13 @@ class GGUFEmbedding(torch.nn.Module):
         flat = ids.reshape(-1)
         if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
             raise ValueError(f"token ids must lie in [0, {self.num_embeddings}), got {int(flat.min())}..{int(flat.max())}")
+        if flat.dtype.is_floating_point or flat.dtype.is_complex or flat.dtype == torch.bool or flat.device.type != "cpu":
+            raise ValueError(f"token ids must be integers on the CPU, got {flat.dtype} on {flat.device}")
         native = EXTENSION.load() if self._type in BLOCK_GEOMETRY else None
         if native is not None and self.blocks.is_contiguous() and self.blocks.device.type == "cpu":
             # gguf-py's arithmetic in C++ (the same bits, tests/test_kquant.py): microseconds, not numpy's ~1 ms
             flat = flat.to(torch.int64).contiguous()
-            out = torch.empty(flat.numel(), self.embedding_dim)
+            out = torch.empty(flat.numel(), self.embedding_dim, dtype=torch.float32)
             native.dequantize_rows(self._type, self.blocks.data_ptr(), self.num_embeddings, self.embedding_dim,
                                    flat.data_ptr(), flat.numel(), out.data_ptr())
             return out.reshape(*ids.shape, self.embedding_dim)

@@ -137,6 +137,8 @@ def _act(native: ModuleType, inner: Any, mlp: Any, gate_up: torch.Tensor) -> tor
     """act(gate) * up of `gate_up` `[n, 2 I]` (gate | up): native SiLU where the model's act is SiLU (the layer
     loop's bits), else the model's own."""
     size = mlp.intermediate_size
+    if gate_up.dim() != 2 or gate_up.shape[1] != 2 * size:
+        raise ValueError(f"gate/up output {tuple(gate_up.shape)} does not hold two halves of the intermediate size {size}")
     if getattr(inner.config, "hidden_act", None) == "silu" and gate_up.is_contiguous() and gate_up.dtype == torch.float32:
         out = torch.empty(gate_up.shape[0], size)
         native.silu_mul(gate_up.data_ptr(), gate_up.shape[0], size, out.data_ptr())
@@ -145,17 +147,32 @@ def _act(native: ModuleType, inner: Any, mlp: Any, gate_up: torch.Tensor) -> tor
     return mlp.act_fn(gate).mul_(up)
 
 
-def _linear_parts(linear: Any) -> tuple[list[int], list[int], list[int], list[int]] | None:
+def _linear_parts(linear: Any) -> tuple[list[int], list[int], list[int], list[int], int] | None:
     """A GGUFLinear's arguments to the kquant kernel, or None for any other linear."""
     from thinkahead.models.kquant import GGUFLinear
 
     return linear.kernel_args() if isinstance(linear, GGUFLinear) else None
 
 
+_structure = [0]  # bumped whenever a fused attention or MLP module has an attribute set (fused_qwen2.py)
+
+
+def structure_changed() -> None:
+    """Called by the fused modules on every attribute set: a cached layer loop is rebuilt before its next run."""
+    _structure[0] += 1
+
+
+def _plan_key(inner: Any) -> tuple:
+    """What a layer loop was built from: the norm weights' addresses, the layers' attention and MLP modules
+    (kept alive by the plan, so an id is never reused while it is cached) and the fused modules' version."""
+    return (_structure[0], _norm_key(inner), tuple((id(layer.self_attn), id(layer.mlp)) for layer in inner.layers))
+
+
 def _plan(native: ModuleType, inner: Any) -> Any | None:
-    """The native layer loop (layer_loop.inc's `Layers`) of `inner`, built once per model and rebuilt if a norm's
-    weight moved; None where it cannot run the model: a linear that is not a GGUFLinear, an act other than SiLU."""
-    key = _norm_key(inner)
+    """The native layer loop (layer_loop.inc's `Layers`) of `inner`, built once per model and rebuilt when what it
+    was built from changed (`_plan_key`); None where it cannot run the model: a linear that is not a GGUFLinear, an
+    act other than SiLU."""
+    key = _plan_key(inner)
     cached = inner.__dict__.get("_thinkahead_layers")
     if cached is not None and cached[0] == key:
         return cached[1]
@@ -167,21 +184,23 @@ def _plan(native: ModuleType, inner: Any) -> Any | None:
 
 
 def _build_plan(native: ModuleType, inner: Any) -> Any | None:
-    layers = None
+    specs, modules = [], [inner.norm]
     for layer in inner.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        specs = [_linear_parts(x) for x in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-        if any(spec is None for spec in specs):
+        linears = [_linear_parts(x) for x in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        if any(spec is None for spec in linears):
             return None
-        if layers is None:
-            layers = native.Layers(attn.qkv_proj.kernel_address(), inner.config.hidden_size)
         D = attn.head_dim
-        layers.add(layer.input_layernorm.weight.data_ptr(), layer.input_layernorm.variance_epsilon,
-                   layer.post_attention_layernorm.weight.data_ptr(), layer.post_attention_layernorm.variance_epsilon,
-                   attn.qkv_sizes[0] // D, attn.qkv_sizes[1] // D, D, attn.scaling, *specs)
-    if layers is not None:
-        layers.set_final_norm(inner.norm.weight.data_ptr(), inner.norm.variance_epsilon)
-    return layers
+        specs.append((layer.input_layernorm.weight.data_ptr(), layer.input_layernorm.variance_epsilon,
+                      layer.post_attention_layernorm.weight.data_ptr(), layer.post_attention_layernorm.variance_epsilon,
+                      attn.qkv_sizes[0] // D, attn.qkv_sizes[1] // D, D, attn.scaling, *linears))
+        modules.append(layer)
+    if not specs:
+        return None
+    plan = native.Layers(inner.layers[0].self_attn.qkv_proj.kernel_address(), inner.config.hidden_size, specs,
+                         inner.norm.weight.data_ptr(), inner.norm.variance_epsilon)
+    plan.modules = modules  # the weights its pointers address live as long as it does
+    return plan
 
 
 def _fits_room(keys: torch.Tensor, values: torch.Tensor, shape: tuple[int, int, int]) -> bool:
@@ -197,20 +216,26 @@ def _run_native(plan: Any, inner: Any, h: torch.Tensor, B: int, T: int, S: int, 
     makes (given back if the run fails)."""
     attn = inner.layers[0].self_attn
     D = attn.head_dim
-    room = cache.room(len(inner.layers), B, attn.qkv_sizes[1] // D, D, T)
+    n = len(inner.layers)
+    room = cache.room(n, B, attn.qkv_sizes[1] // D, D, T)  # checks every layer before it changes any
     held, shape = S - T, (B, attn.qkv_sizes[1] // D, D)
+
+    def give_back() -> None:  # no layer keeps slots the run did not fill (a negative count removes that many)
+        for layer in cache.layers[:n]:
+            layer.crop(-T)
+
     if any(got != held or not _fits_room(k, v, shape) for k, v, got in room):  # the native loop reads raw memory
-        cache.crop(-T)  # no layer keeps slots it did not fill (a negative count removes that many)
+        give_back()
         raise RuntimeError(f"the cache's layers hold {sorted({got for _, _, got in room})} tokens (expected {held}) "
                            f"or buffers that are not contiguous float32 {list(shape)}")
     out = torch.empty_like(h)
     try:
-        plan.run(h.data_ptr(), B, T, cos.data_ptr(), sin.data_ptr(), 0 if mask is None else mask.data_ptr(),
-                 0 if mask is None or mask.shape[0] == 1 else T * S, held,
+        plan.run(h.data_ptr(), B, T, h.shape[1], cos.data_ptr(), sin.data_ptr(), cos.shape[1],
+                 0 if mask is None else mask.data_ptr(), 0 if mask is None or mask.shape[0] == 1 else T * S, held,
                  [k.data_ptr() for k, _, _ in room], [v.data_ptr() for _, v, _ in room], [k.shape[-2] for k, _, _ in room],
                  out.data_ptr(), threads)
     except BaseException:
-        cache.crop(-T)
+        give_back()
         raise
     return out
 

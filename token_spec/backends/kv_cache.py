@@ -53,17 +53,25 @@ class GrowingLayer(DynamicLayer):
         self.values = self._value_buffer[..., : held + new, :]
         return self.keys, self.values
 
+    def check_room(self, batch: int, heads: int, dim: int) -> None:
+        """ValueError unless `room` can extend this layer: no tokens yet, or float32/float64 keys and values of
+        `[batch, heads, tokens, dim]` (float64 K/V, from transformers' exact attention, hold float32 values
+        exactly: `room` copies them back to float32)."""
+        held = self.keys.shape[-2] if self.is_initialized and self.keys.dim() == 4 else 0
+        if held and (tuple(self.keys.shape) != (batch, heads, held, dim) or self.values.shape != self.keys.shape
+                     or self.keys.dtype not in (torch.float32, torch.float64) or self.values.dtype != self.keys.dtype):
+            raise ValueError(f"the cache holds keys {tuple(self.keys.shape)} {self.keys.dtype}, not float32 "
+                             f"[{batch}, {heads}, tokens, {dim}]")
+
     def room(self, batch: int, heads: int, dim: int, new: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Room for `new` more float32 tokens, shown at once (`keys`/`values` end with them; the caller writes
         them, as a native layer loop does): returns the buffers `[batch, heads, capacity, dim]` and the
-        tokens held before."""
+        tokens held before. `check_room` first."""
+        self.check_room(batch, heads, dim)
         empty = torch.empty(batch, heads, 0, dim)
         if not self.is_initialized:
             self.lazy_initialization(empty, empty)
         held = self.keys.shape[-2] if self.keys.dim() == 4 else 0
-        if held and (tuple(self.keys.shape) != (batch, heads, held, dim) or self.keys.dtype != torch.float32):
-            raise ValueError(f"the cache holds keys {tuple(self.keys.shape)} {self.keys.dtype}, not float32 "
-                             f"[{batch}, {heads}, tokens, {dim}]")
         if not (self._owns_views(held) and held + new <= self._key_buffer.shape[-2] and self.keys.dtype == torch.float32):
             self._grow(empty, empty, held, max(MIN_CAPACITY, (held + new) * 3 // 2))
         self.keys = self._key_buffer[..., : held + new, :]
@@ -103,10 +111,12 @@ class GrowingCache(DynamicCache):
 
     def room(self, layers: int, batch: int, heads: int, dim: int,
              new: int) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
-        """`GrowingLayer.room` for layers 0 .. layers - 1 (created where missing), or ValueError where one is
-        not a GrowingLayer."""
-        while len(self.layers) < layers:
-            self.layers.append(self.layer_class_to_replicate())
+        """`GrowingLayer.room` for layers 0 .. layers - 1 (created where missing), or ValueError, with no layer
+        changed, where one is not a GrowingLayer or cannot make room (`check_room`)."""
         if not all(isinstance(layer, GrowingLayer) for layer in self.layers[:layers]):
             raise ValueError("only GrowingLayer caches make room in place")
+        for layer in self.layers[:layers]:  # every layer checked before any changes
+            layer.check_room(batch, heads, dim)
+        while len(self.layers) < layers:
+            self.layers.append(self.layer_class_to_replicate())
         return [layer.room(batch, heads, dim, new) for layer in self.layers[:layers]]

@@ -415,6 +415,10 @@ extern "C" int thinkahead_kquant_linear(const float* x, int64_t M, int64_t K, co
             error[error_size - 1] = 0;
         }
         return 1;
+    } catch (...) {
+        if (error_size > 0) std::strncpy(error, "kquant linear: an unknown error", static_cast<size_t>(error_size - 1));
+        if (error_size > 0) error[error_size - 1] = 0;
+        return 1;
     }
 }
 

@@ -100,14 +100,12 @@ PYBIND11_MODULE(_layer_native, m) {
           "float32 attention whose rows never depend on the call's shape (attention.inc)");
     m.def("silu_mul", &silu_mul, py::arg("gate_up"), py::arg("rows"), py::arg("i"), py::arg("out"),
           "out [rows, i] = silu(gate_up[:, :i]) * gate_up[:, i:] (layer_loop.inc)");
-    py::class_<Layers>(m, "Layers", "a model's decoder layers in one native call (layer_loop.inc)")
-        .def(py::init<uintptr_t, int64_t>(), py::arg("linear_address"), py::arg("hidden"))
-        .def("add", &Layers::add, py::arg("norm1"), py::arg("eps1"), py::arg("norm2"), py::arg("eps2"), py::arg("hq"),
-             py::arg("hkv"), py::arg("d"), py::arg("scale"), py::arg("qkv"), py::arg("o"), py::arg("gate_up"),
-             py::arg("down"))
-        .def("set_final_norm", &Layers::set_final_norm, py::arg("weight"), py::arg("eps"))
+    py::class_<Layers>(m, "Layers", py::dynamic_attr(), "a model's decoder layers in one native call (layer_loop.inc)")
+        .def(py::init<uintptr_t, int64_t, const py::list&, uintptr_t, double>(), py::arg("linear_address"),
+             py::arg("hidden"), py::arg("layers"), py::arg("final_norm"), py::arg("final_eps"))
         .def("__len__", &Layers::size)
-        .def("run", &Layers::run, py::arg("h"), py::arg("b"), py::arg("t"), py::arg("cos"), py::arg("sin"),
-             py::arg("mask"), py::arg("mask_batch_stride"), py::arg("held"), py::arg("keys"), py::arg("values"),
+        .def("run", &Layers::run, py::arg("h"), py::arg("b"), py::arg("t"), py::arg("hidden"), py::arg("cos"),
+             py::arg("sin"), py::arg("rotary"), py::arg("mask"), py::arg("mask_batch_stride"), py::arg("held"),
+             py::arg("keys"), py::arg("values"),
              py::arg("capacity"), py::arg("out"), py::arg("threads"));
 }
