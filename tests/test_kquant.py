@@ -275,3 +275,11 @@ def test_embedding_rows_are_gguf_pys_dequantized_bits(name, monkeypatch) -> None
     assert got.shape == (2, 4, cols) and np.array_equal(got.numpy().view(np.uint32), expected.astype(np.float32).view(np.uint32))
     with pytest.raises(ValueError, match="token ids"):
         embedding(torch.tensor([40]))
+    with pytest.raises(ValueError, match="integers on the CPU"):
+        embedding(torch.tensor([1.7]))  # not truncated to row 1
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:  # float32 rows whatever the default dtype (float32 bits were read as float64 ones)
+        assert torch.equal(embedding(ids), got)
+    finally:
+        torch.set_default_dtype(previous)
