@@ -68,6 +68,9 @@ class GrowingLayer(DynamicLayer):
         them, as a native layer loop does): returns the buffers `[batch, heads, capacity, dim]` and the
         tokens held before. `check_room` first."""
         self.check_room(batch, heads, dim)
+        return self._room(batch, heads, dim, new)
+
+    def _room(self, batch: int, heads: int, dim: int, new: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         empty = torch.empty(batch, heads, 0, dim)
         if not self.is_initialized:
             self.lazy_initialization(empty, empty)
@@ -119,4 +122,4 @@ class GrowingCache(DynamicCache):
             layer.check_room(batch, heads, dim)
         while len(self.layers) < layers:
             self.layers.append(self.layer_class_to_replicate())
-        return [layer.room(batch, heads, dim, new) for layer in self.layers[:layers]]
+        return [layer._room(batch, heads, dim, new) for layer in self.layers[:layers]]  # checked above
