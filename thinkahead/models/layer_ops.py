@@ -105,8 +105,7 @@ def run(inner: Any, hidden: torch.Tensor, position_embeddings: tuple[torch.Tenso
         return _run_native(plan, inner, h.clone(), B, T, S, cos, sin, mask, cache, threads).reshape(B, T, H)
     for i, layer in enumerate(inner.layers):
         attn = layer.self_attn
-        D = attn.head_dim
-        hq, hkv = attn.qkv_sizes[0] // D, attn.qkv_sizes[1] // D
+        hq, hkv, D = _heads(attn)
         qkv = attn.qkv_proj(_norm(native, layer.input_layernorm, h)).contiguous()
         if qkv.dtype != torch.float32 or tuple(qkv.shape) != (B * T, (hq + 2 * hkv) * D) or cos.shape[1] != D:
             raise ValueError(f"layer {i}: q/k/v {tuple(qkv.shape)} {qkv.dtype} and rotary {tuple(cos.shape)} do not fit "
@@ -131,6 +130,12 @@ def run(inner: Any, hidden: torch.Tensor, position_embeddings: tuple[torch.Tenso
         mlp = layer.mlp
         h = h + mlp.down_proj(_act(native, inner, mlp, mlp.gate_up_proj(_norm(native, layer.post_attention_layernorm, h))))
     return _norm(native, inner.norm, h).reshape(B, T, H)
+
+
+def _heads(attn: Any) -> tuple[int, int, int]:
+    """A fused attention's query heads, key/value heads and head dimension."""
+    D = attn.head_dim
+    return attn.qkv_sizes[0] // D, attn.qkv_sizes[1] // D, D
 
 
 def _act(native: ModuleType, inner: Any, mlp: Any, gate_up: torch.Tensor) -> torch.Tensor:
@@ -190,10 +195,9 @@ def _build_plan(native: ModuleType, inner: Any) -> Any | None:
         linears = [_linear_parts(x) for x in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
         if any(spec is None for spec in linears):
             return None
-        D = attn.head_dim
         specs.append((layer.input_layernorm.weight.data_ptr(), layer.input_layernorm.variance_epsilon,
                       layer.post_attention_layernorm.weight.data_ptr(), layer.post_attention_layernorm.variance_epsilon,
-                      attn.qkv_sizes[0] // D, attn.qkv_sizes[1] // D, D, attn.scaling, *linears))
+                      *_heads(attn), attn.scaling, *linears))
         modules.append(layer)
     if not specs:
         return None
@@ -214,11 +218,10 @@ def _run_native(plan: Any, inner: Any, h: torch.Tensor, B: int, T: int, S: int, 
                 mask: torch.Tensor | None, cache: Any, threads: int) -> torch.Tensor:
     """`plan.run` over `h` `[B * T, H]` (a copy it updates), the new keys/values written into room the cache
     makes (given back if the run fails)."""
-    attn = inner.layers[0].self_attn
-    D = attn.head_dim
+    _, hkv, D = _heads(inner.layers[0].self_attn)
     n = len(inner.layers)
-    room = cache.room(n, B, attn.qkv_sizes[1] // D, D, T)  # checks every layer before it changes any
-    held, shape = S - T, (B, attn.qkv_sizes[1] // D, D)
+    room = cache.room(n, B, hkv, D, T)  # checks every layer before it changes any
+    held, shape = S - T, (B, hkv, D)
 
     def give_back() -> None:  # no layer keeps slots the run did not fill (a negative count removes that many)
         for layer in cache.layers[:n]:

@@ -40,17 +40,11 @@ class GrowingLayer(DynamicLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        held = self.keys.shape[-2] if self.keys.dim() == 4 else 0
         new = key_states.shape[-2]
-        if not (self._owns_views(held) and held + new <= self._key_buffer.shape[-2]
-                and key_states.dtype == self._key_buffer.dtype):
-            self._grow(key_states, value_states, held, max(MIN_CAPACITY, (held + new) * 3 // 2))
-        self._key_buffer[..., held:held + new, :] = key_states
-        self._value_buffer[..., held:held + new, :] = value_states
-        self.keys = self._key_buffer[..., : held + new, :]
-        self.values = self._value_buffer[..., : held + new, :]
+        keys, values, held = self._room(key_states, value_states, new)
+        keys[..., held:held + new, :] = key_states
+        values[..., held:held + new, :] = value_states
+        self._show(held + new)
         return self.keys, self.values
 
     def check_room(self, batch: int, heads: int, dim: int) -> None:
@@ -68,18 +62,29 @@ class GrowingLayer(DynamicLayer):
         them, as a native layer loop does): returns the buffers `[batch, heads, capacity, dim]` and the
         tokens held before. `check_room` first."""
         self.check_room(batch, heads, dim)
-        return self._room(batch, heads, dim, new)
+        return self._room_shown(batch, heads, dim, new)
 
-    def _room(self, batch: int, heads: int, dim: int, new: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    def _room_shown(self, batch: int, heads: int, dim: int, new: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         empty = torch.empty(batch, heads, 0, dim)
+        keys, values, held = self._room(empty, empty, new)
+        self._show(held + new)
+        return keys, values, held
+
+    def _room(self, key_like: torch.Tensor, value_like: torch.Tensor, new: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Buffers of `key_like`'s dtype, batch, heads and dim with room for `new` more tokens (grown 1.5x when
+        full, what is held copied over); returns them and the tokens held. `update` writes the new tokens,
+        `room`'s caller writes them itself; `_show` then extends the views over them."""
         if not self.is_initialized:
-            self.lazy_initialization(empty, empty)
+            self.lazy_initialization(key_like, value_like)
         held = self.keys.shape[-2] if self.keys.dim() == 4 else 0
-        if not (self._owns_views(held) and held + new <= self._key_buffer.shape[-2] and self.keys.dtype == torch.float32):
-            self._grow(empty, empty, held, max(MIN_CAPACITY, (held + new) * 3 // 2))
-        self.keys = self._key_buffer[..., : held + new, :]
-        self.values = self._value_buffer[..., : held + new, :]
+        if not (self._owns_views(held) and held + new <= self._key_buffer.shape[-2]
+                and key_like.dtype == self._key_buffer.dtype):
+            self._grow(key_like, value_like, held, max(MIN_CAPACITY, (held + new) * 3 // 2))
         return self._key_buffer, self._value_buffer, held
+
+    def _show(self, tokens: int) -> None:
+        self.keys = self._key_buffer[..., :tokens, :]
+        self.values = self._value_buffer[..., :tokens, :]
 
     def _grow(self, key_states: torch.Tensor, value_states: torch.Tensor, held: int, capacity: int) -> None:
         keys = key_states.new_empty((*key_states.shape[:2], capacity, key_states.shape[-1]))
@@ -122,4 +127,4 @@ class GrowingCache(DynamicCache):
             layer.check_room(batch, heads, dim)
         while len(self.layers) < layers:
             self.layers.append(self.layer_class_to_replicate())
-        return [layer._room(batch, heads, dim, new) for layer in self.layers[:layers]]  # checked above
+        return [layer._room_shown(batch, heads, dim, new) for layer in self.layers[:layers]]  # checked above

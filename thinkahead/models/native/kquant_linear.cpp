@@ -406,19 +406,19 @@ void repack(int type, uintptr_t src, uintptr_t dst, int64_t rows, int64_t cols) 
 extern "C" int thinkahead_kquant_linear(const float* x, int64_t M, int64_t K, const int* types, const uint8_t* const* weights,
                                         const int64_t* rows, const float* const* biases, int64_t parts, float* out,
                                         int threads, char* error, int64_t error_size) {
+    const auto report = [&](const char* message) {
+        if (error_size <= 0) return 1;
+        std::strncpy(error, message, static_cast<size_t>(error_size - 1));
+        error[error_size - 1] = 0;
+        return 1;
+    };
     try {
         linear_parts(x, M, K, types, weights, rows, biases, static_cast<size_t>(parts), out, threads);
         return 0;
     } catch (const std::exception& e) {
-        if (error_size > 0) {
-            std::strncpy(error, e.what(), static_cast<size_t>(error_size - 1));
-            error[error_size - 1] = 0;
-        }
-        return 1;
+        return report(e.what());
     } catch (...) {
-        if (error_size > 0) std::strncpy(error, "kquant linear: an unknown error", static_cast<size_t>(error_size - 1));
-        if (error_size > 0) error[error_size - 1] = 0;
-        return 1;
+        return report("kquant linear: an unknown error");
     }
 }
 

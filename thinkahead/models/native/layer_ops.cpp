@@ -1,7 +1,7 @@
 // The row-wise parts of a Qwen2 decoder layer around its linears and attention, for
 // thinkahead/models/layer_ops.py: RMS norm, the rotary embedding with the q/k/v split, and attention
-// (attention.inc). Each replaces a handful of small torch ops per layer (a dispatch, an allocation and a
-// Python call each).
+// (attention.inc), SiLU times up; and a GGUF model's whole layer stack in one call (layer_loop.inc). Each
+// replaces a handful of small torch ops per layer (a dispatch, an allocation and a Python call each).
 //
 // Exactness: every output row is computed on its own, in one fixed order, whatever the number of rows
 // in the call: verifying k drafted tokens computes exactly what decoding them one at a time computes.
@@ -88,7 +88,8 @@ void rope_split(uintptr_t qkv, int64_t T, int64_t hq, int64_t hkv, int64_t D, ui
 #include "layer_loop.inc"
 
 PYBIND11_MODULE(_layer_native, m) {
-    m.doc() = "Row-wise decoder-layer ops: RMS norm, rotary split, attention (see thinkahead/models/layer_ops.py)";
+    m.doc() = "Row-wise decoder-layer ops (RMS norm, rotary split, attention, SiLU x up) and the GGUF layer loop "
+              "(see thinkahead/models/layer_ops.py)";
     m.def("cpu_supported", [] { return true; }, "plain C++: every x86-64 CPU");
     m.def("rms_norm", &rms_norm, py::arg("x"), py::arg("rows"), py::arg("dim"), py::arg("weight"), py::arg("eps"),
           py::arg("out"));
