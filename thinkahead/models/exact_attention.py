@@ -76,11 +76,15 @@ def keeps_float64_kv(cache: Any) -> bool:
 
 
 def use_exact_attention(model: Any) -> Any:
-    """Switch `model` (a transformers model) to float64 attention; returns the model."""
+    """Switch `model` (a transformers model) to float64 attention and its rotary position encodings to a
+    table (exact_rotary.py: torch's cos/sin can change with the thread split); returns the model."""
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import sdpa_mask
+
+    from thinkahead.models.exact_rotary import use_exact_rotary
 
     AttentionInterface.register(IMPLEMENTATION, fp64_sdpa_forward)
     AttentionMaskInterface.register(IMPLEMENTATION, sdpa_mask)
     model.set_attn_implementation(IMPLEMENTATION)
+    use_exact_rotary(model)
     return model
