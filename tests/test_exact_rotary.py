@@ -12,7 +12,7 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
 
 from thinkahead.models import gguf_native
 from thinkahead.models.exact_attention import use_exact_attention
-from thinkahead.models.exact_rotary import BLOCK, RotaryTable, use_exact_rotary
+from thinkahead.models.exact_rotary import BLOCK, LIMIT, RotaryTable, use_exact_rotary
 from thinkahead.models.quantize import quantize_int8
 from thinkahead.token_spec.backends.hf import HFEngine
 
@@ -78,6 +78,9 @@ def test_bad_position_ids_are_refused_by_name():
     table = RotaryTable(qwen_rotary().inv_freq)
     with pytest.raises(ValueError, match=">= 0"):
         table(torch.zeros(1), torch.tensor([[3, -1]]))
+    with pytest.raises(ValueError, match="past the table's"):
+        table(torch.zeros(1), torch.tensor([[0, LIMIT]]))
+    assert table.rows(0)[0].shape[0] == 0  # nothing was computed for the refused call
     with pytest.raises(ValueError, match="integers"):
         table(torch.zeros(1), torch.tensor([[1.5]]))
     with pytest.raises(ValueError, match=r"\[batch, tokens\]"):

@@ -32,6 +32,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 BLOCK = 256  # positions computed per call, the same call shape for every block
+LIMIT = 1 << 20  # positions a table holds at most (head width 128: 1 GiB of cos/sin)
 _DYNAMIC = ("dynamic", "longrope")  # rope types whose frequencies follow the sequence length
 
 
@@ -55,7 +56,10 @@ class RotaryTable:
         ids = position_ids.to("cpu", torch.long)
         if ids.numel() and int(ids.min()) < 0:
             raise ValueError(f"rotary table: position ids must be >= 0, got {int(ids.min())}")
-        cos, sin = self.rows(int(ids.max()) + 1 if ids.numel() else 0)
+        top = int(ids.max()) if ids.numel() else -1
+        if top >= LIMIT:
+            raise ValueError(f"rotary table: position {top} is past the table's {LIMIT} positions")
+        cos, sin = self.rows(top + 1)
         return cos[ids].to(x.device, x.dtype), sin[ids].to(x.device, x.dtype)
 
     def rows(self, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,7 +68,9 @@ class RotaryTable:
         have = table[0].shape[0]
         if positions <= have:
             return table
-        want = max(2 * have, -(-positions // BLOCK) * BLOCK)
+        if positions > LIMIT:
+            raise ValueError(f"rotary table: {positions} positions are more than its {LIMIT}")
+        want = min(LIMIT, max(2 * have, -(-positions // BLOCK) * BLOCK))
         blocks = [self._block(start) for start in range(have, want, BLOCK)]
         cos = torch.cat([table[0]] + [torch.from_numpy(c) for c, _ in blocks])
         sin = torch.cat([table[1]] + [torch.from_numpy(s) for _, s in blocks])
