@@ -5,6 +5,11 @@ cannot reproduce are left as they were."""
 
 from __future__ import annotations
 
+import copy
+import math
+import pickle
+import threading
+
 import pytest
 import torch
 from transformers import Qwen2Config
@@ -28,15 +33,37 @@ def qwen_rotary(**rope) -> Qwen2RotaryEmbedding:
     return Qwen2RotaryEmbedding(config)
 
 
+def ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """|a - b| in units of the last place of b (float32), a float32 or float64."""
+    b32 = b.float().abs()
+    return (a.double() - b.double()).abs() / (torch.nextafter(b32, torch.tensor(2.0)) - b32).double()
+
+
+def on_one_thread(call):
+    """transformers' values on one thread: torch's first threaded cos/sin can be off by 1e-4 (the module's why)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return call()
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_the_table_gives_transformers_values_within_rounding():
     module = qwen_rotary()
     table = RotaryTable(module.inv_freq, module.attention_scaling)
     x = torch.zeros(1, 1)
     ids = torch.arange(0, 5000, 7).unsqueeze(0)
-    for theirs, ours in zip(module(x, ids), table(x, ids)):
-        assert ours.shape == theirs.shape == (1, ids.shape[1], 64) and ours.dtype == torch.float32
-        ulp = (torch.nextafter(theirs.abs(), torch.tensor(2.0)) - theirs.abs())
-        assert ((ours - theirs).abs() <= ulp).all()  # MKL's float32 cos is within an ulp; ours is rounded once
+    angles = [float(a) for a in (ids[0].float()[:, None] * module.inv_freq[None, :]).flatten()]  # float32 products
+    exact = torch.tensor([[math.cos(a) for a in angles], [math.sin(a) for a in angles]], dtype=torch.float64)
+    theirs = on_one_thread(lambda: module(x, ids))
+    ours = table(x, ids)
+    for t, o, e in zip(theirs, ours, exact):
+        assert o.shape == t.shape == (1, ids.shape[1], 64) and o.dtype == torch.float32
+        assert (ulps(o, t) <= 1).all()  # MKL's float32 cos/sin are within an ulp
+        half = o[0, :, :32].flatten()
+        assert torch.equal(half, o[0, :, 32:].flatten())
+        assert (ulps(e, half) <= 0.5 + 1e-6).all()  # ours: the exact value rounded to float32
     bf16 = table(torch.zeros(1, dtype=torch.bfloat16), ids)
     assert bf16[0].dtype == torch.bfloat16 and torch.equal(bf16[0], table(x, ids)[0].bfloat16())
 
@@ -53,11 +80,7 @@ def test_a_positions_row_never_depends_on_the_call():
         assert all(torch.equal(p, r[:, start:start + 37]) for p, r in zip(piece, reference))
     shuffled = all_ids[:, torch.randperm(all_ids.shape[1])]
     batch = torch.cat([shuffled, all_ids.flip(1)])  # two sequences, other orders
-    torch.set_num_threads(1)
-    try:
-        one_thread = grown(x, batch)
-    finally:
-        torch.set_num_threads(2)
+    one_thread = on_one_thread(lambda: grown(x, batch))
     for ours, ref in zip(one_thread, reference):
         assert torch.equal(ours[0], ref[0, shuffled[0]]) and torch.equal(ours[1], ref[0].flip(0))
 
@@ -72,6 +95,70 @@ def test_two_threads_growing_one_table_get_the_same_rows():
     for cos, sin in got:
         n = cos.shape[1]
         assert torch.equal(cos, reference[0][:, :n]) and torch.equal(sin, reference[1][:, :n])
+
+
+def test_a_call_answers_from_its_own_table_whatever_another_thread_stores():
+    """A slow thread growing a small table stores it just after a fast one stored a big table, and before
+    the fast one returns: the fast one still answers from its own, and the big table stays."""
+    small_paused, big_stored, small_done = threading.Event(), threading.Event(), threading.Event()
+
+    class Interleaved(RotaryTable):
+        @property
+        def _table(self):
+            return self.__dict__["table"]
+
+        @_table.setter
+        def _table(self, value):
+            self.__dict__["table"] = value
+            if value[0].shape[0] > BLOCK and not small_done.is_set():  # the big one landed: the small one goes now
+                big_stored.set()
+                small_done.wait(10)
+
+    table = Interleaved(qwen_rotary().inv_freq)
+
+    def block(start):  # the small grower pauses after computing, until the big table is stored
+        out = RotaryTable._block(table, start)
+        if threading.current_thread().name == "small":
+            small_paused.set()
+            big_stored.wait(10)
+        return out
+
+    table._block = block
+    got = {}
+
+    def small():
+        try:
+            got["small"] = table(torch.zeros(1), torch.arange(10).unsqueeze(0))
+        finally:
+            small_done.set()
+
+    threads = [threading.Thread(target=small, name="small")]
+    threads[0].start()
+    assert small_paused.wait(10)
+    threads.append(threading.Thread(target=lambda: got.update(big=table(torch.zeros(1), torch.tensor([[6000]])))))
+    threads[1].start()
+    for t in threads:
+        t.join(20)
+    assert set(got) == {"small", "big"}  # the big call did not fail on the small table (IndexError before)
+    assert table.rows(0)[0].shape[0] > 6000  # and the big table was not replaced by the small one
+    reference = RotaryTable(qwen_rotary().inv_freq)(torch.zeros(1), torch.tensor([[6000]]))
+    assert torch.equal(got["big"][0], reference[0]) and torch.equal(got["big"][1], reference[1])
+
+
+def test_a_saved_or_copied_model_carries_no_table():
+    model = quantize_int8(tiny_model("qwen2"))
+    engine = HFEngine(model)
+    before = engine.forward(engine.new_session(), list(range(1, 30)))
+    rotary = model.model.rotary_emb
+    size = len(pickle.dumps(model))
+    rotary(torch.zeros(1), torch.tensor([[100_000]]))  # a table of megabytes
+    assert len(pickle.dumps(rotary.forward.rows(0))) > 10_000_000
+    assert len(pickle.dumps(model)) == size
+    for other in (pickle.loads(pickle.dumps(model)), copy.deepcopy(model)):
+        table = other.model.rotary_emb.forward
+        assert isinstance(table, RotaryTable) and table.rows(0)[0].shape[0] == 0
+        twin = HFEngine(other)
+        assert torch.equal(twin.forward(twin.new_session(), list(range(1, 30))), before)
 
 
 def test_bad_position_ids_are_refused_by_name():
@@ -114,6 +201,33 @@ def test_exact_models_compute_no_torch_trigonometry_in_a_forward(tmp_path, monke
         assert torch.equal(whole, pieces)
 
 
+def test_multimodal_rope_keeps_its_forward():
+    """Qwen2-VL's rotary reads 3-D position ids (one row per axis) its own way: a table would refuse them."""
+    from transformers import Qwen2VLConfig
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLRotaryEmbedding
+
+    model = torch.nn.Module()
+    model.rotary_emb = Qwen2VLRotaryEmbedding(Qwen2VLConfig().text_config)
+    assert use_exact_rotary(model) == 0 and "forward" not in model.rotary_emb.__dict__
+    ids = torch.stack([torch.arange(6), torch.tensor([0, 1, 1, 2, 2, 5]), torch.tensor([0, 1, 2, 1, 2, 5])])[:, None]
+    assert model.rotary_emb(torch.zeros(1), ids)[0].shape == (1, 6, 128)
+
+
+def test_scaled_rope_types_are_tabled_within_their_rounding():
+    x, ids = torch.zeros(1, 1), torch.arange(0, 40_000, 97).unsqueeze(0)
+    for rope in ({"rope_type": "linear", "factor": 4.0},
+                 {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8192},
+                 {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 8192}):
+        module = qwen_rotary(**rope)
+        theirs = on_one_thread(lambda: module(x, ids))
+        model = torch.nn.Module()
+        model.rotary_emb = module
+        assert use_exact_rotary(model) == 1, rope
+        for t, o in zip(theirs, module(x, ids)):
+            assert (ulps(o, t) <= 2).all(), rope  # yarn's scaling rounds a second time, as theirs
+
+
 def test_modules_the_table_cannot_reproduce_keep_their_forward(caplog):
     dynamic = qwen_rotary(rope_type="dynamic", factor=2.0)
     model = torch.nn.Module()
@@ -134,3 +248,8 @@ def test_the_module_keeps_its_type_and_buffers():
     assert model.model.rotary_emb is rotary and type(rotary) is Qwen2RotaryEmbedding
     after = dict(model.named_buffers())
     assert before.keys() == after.keys() and all(torch.equal(before[n], after[n]) for n in before)
+
+
+def test_models_of_every_dtype_load_with_tables(smollm2_fp32):
+    model, _ = smollm2_fp32  # float32, through load_causal_lm: no exact attention, the tables all the same
+    assert isinstance(model.model.rotary_emb.__dict__.get("forward"), RotaryTable)

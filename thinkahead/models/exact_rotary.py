@@ -2,18 +2,21 @@
 
 Why: transformers computes a forward's cos/sin with `torch.cos`/`torch.sin`, which on this build run
 MKL's vector math in chunks split over torch's threads (from 2,048 values on: a 41-token prompt at a
-head width of 64 is split at position 20.5). The first such call in a process sometimes gives the
-second thread's chunk other bits (measured: 4 processes in 20 computed `rotary_emb` of 41 positions
-twice and got two answers for positions 20-40, the second matching every later call). A prompt
-prefilled whole then differs from the same prompt fed in pieces, and speculative greedy can leave
-plain greedy, in some processes and not others.
+head width of 64 is split at position 20.5). The first such call in a process sometimes computes the
+second thread's chunk in a low-accuracy mode: errors up to 1.5e-4 where every later call is within an
+ulp (measured: 4 pytest processes in 20, 715 positions, the second half off; never on 1 thread). A
+prompt prefilled whole then differs from the same prompt fed in pieces, speculative greedy can leave
+plain greedy, and a model's first prompt is computed with slightly wrong positions, in some processes
+and not others.
 
 The fix: a position's cos and sin come from one table, filled in blocks of `BLOCK` positions, each
-block computed by the same single-threaded float64 call (numpy) and rounded to float32 once; a
-forward only gathers rows. So a row's values never depend on the forward's shape, its thread split,
-or the process (on the same machine). The angle is transformers' (float32 position times float32
-inverse frequency); its cosine is the float64 one rounded (at most half an ulp from exact, where
-MKL's float32 cosine is within one ulp).
+block computed by the same single-threaded float64 call (numpy); a forward only gathers rows. So a
+row's values never depend on the forward's shape, its thread split, or the process (on the same
+machine). The angle is transformers' (float32 position times float32 inverse frequency); its cosine is
+the float64 one rounded to float32 (half an ulp from exact, where MKL's float32 cosine is within one
+ulp), then times `attention_scaling` in float32 as transformers does (a second rounding where it is
+not 1: yarn). The table copies the frequencies when it is made: a model cast to another dtype later
+keeps float32 frequencies (transformers' would read the cast buffer).
 
 Which modules: transformers' rotary embeddings of the usual layout (`inv_freq`, `attention_scaling`,
 cos/sin of the angles concatenated twice; or one such set per layer type, as Gemma3's) whose
@@ -72,10 +75,13 @@ class RotaryTable:
             raise ValueError(f"rotary table: {positions} positions are more than its {LIMIT}")
         want = min(LIMIT, max(2 * have, -(-positions // BLOCK) * BLOCK))
         blocks = [self._block(start) for start in range(have, want, BLOCK)]
-        cos = torch.cat([table[0]] + [torch.from_numpy(c) for c, _ in blocks])
-        sin = torch.cat([table[1]] + [torch.from_numpy(s) for _, s in blocks])
-        self._table = (cos, sin)  # two threads growing at once compute the same values; either one stays
-        return self._table
+        grown = (torch.cat([table[0]] + [torch.from_numpy(c) for c, _ in blocks]),
+                 torch.cat([table[1]] + [torch.from_numpy(s) for _, s in blocks]))
+        # Threads growing at once compute the same values for the same positions; the largest table stays,
+        # and each call answers from the table it built (never from one another thread stored meanwhile).
+        if grown[0].shape[0] > self._table[0].shape[0]:
+            self._table = grown
+        return grown
 
     def _block(self, start: int) -> tuple[np.ndarray, np.ndarray]:
         positions = np.arange(start, start + BLOCK, dtype=np.float32)
@@ -83,6 +89,13 @@ class RotaryTable:
         cos = (np.cos(angles).astype(np.float32) * self._scaling).astype(np.float32)
         sin = (np.sin(angles).astype(np.float32) * self._scaling).astype(np.float32)
         return np.concatenate([cos, cos], axis=1), np.concatenate([sin, sin], axis=1)
+
+    def __getstate__(self) -> dict[str, Any]:  # a saved or copied model carries the frequencies, not the table
+        return {"_inv_freq": self._inv_freq, "_scaling": self._scaling}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._inv_freq, self._scaling = state["_inv_freq"], state["_scaling"]
+        self._table = (torch.empty(0, 2 * self._inv_freq.size), torch.empty(0, 2 * self._inv_freq.size))
 
     def __repr__(self) -> str:
         return f"RotaryTable(dim={2 * self._inv_freq.size}, scaling={float(self._scaling)}, positions={self._table[0].shape[0]})"
@@ -148,7 +161,22 @@ def _table_for(module: Any) -> RotaryTable | RotaryTables | None:
             return None
         if not _same(theirs, table(probe_x, probe_ids)):
             return None
+        if _reads_3d_positions(module, table, probe_x, extra):
+            return None
     return result
+
+
+def _reads_3d_positions(module: Any, table: RotaryTable, x: torch.Tensor, extra: tuple) -> bool:
+    """Whether `module` gives 3-D position ids a meaning of their own (multimodal rope: one row per axis),
+    where the usual layout broadcasts them (each row its own positions)."""
+    ids = torch.tensor([[[0, 1, 7, 100, 1023]], [[5, 6, 7, 8, 9]], [[2, 2, 2, 2, 2]]], device=x.device)
+    try:
+        with torch.inference_mode():
+            theirs = module(x, ids, *extra)
+    except (TypeError, ValueError, RuntimeError):
+        return False
+    ours = tuple(t.reshape(3, 1, 5, -1) for t in table(x, ids.reshape(3, 5)))
+    return not _same(theirs, ours)
 
 
 def use_exact_rotary(model: torch.nn.Module) -> int:

@@ -175,7 +175,7 @@ def load_causal_lm(
     if key is not None:
         loaded = load_entry(root, key, location, source_file=Path(location, gguf_file) if gguf_file else None)
         if loaded is not None:
-            return loaded
+            return _with_rotary_tables(*loaded)
     label = source.registry_name or Path(location, gguf_file or "").name
     stages = (STAGE_READ, *((STAGE_INT8,) if dtype == INT8 else ()), *((STAGE_STORE,) if key is not None else ()))
     with ConversionProgress(f"{label} ({dtype})", stages, cached=key is not None, enabled=progress) as bar:
@@ -184,6 +184,15 @@ def load_causal_lm(
         if key is not None:
             bar.stage(STAGE_STORE)
             store_entry(root, key, model, tokenizer, convert_s=time.perf_counter() - started)
+    return _with_rotary_tables(model, tokenizer)
+
+
+def _with_rotary_tables(model: Any, tokenizer: Any) -> tuple[Any, Any]:
+    """Every model loaded here reads its rotary cos/sin from a table (exact_rotary.py), whatever its dtype:
+    torch's threaded cos/sin gave part of a first forward's positions errors up to 1.5e-4 in some processes."""
+    from thinkahead.models.exact_rotary import use_exact_rotary
+
+    use_exact_rotary(model)
     return model, tokenizer
 
 
