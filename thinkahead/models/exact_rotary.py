@@ -48,9 +48,11 @@ class RotaryTable:
             raise ValueError(f"rotary table: inv_freq must be a filled 1-D tensor, got {tuple(inv_freq.shape)}")
         self._inv_freq = inv_freq.detach().to("cpu", torch.float32).numpy().copy()
         self._scaling = np.float32(attention_scaling)
-        half = self._inv_freq.size
+        self._table = self._empty()
+
+    def _empty(self) -> tuple[torch.Tensor, torch.Tensor]:
         # (cos, sin) as one tuple, replaced whole when it grows: a reader never sees one without the other
-        self._table = (torch.empty(0, 2 * half), torch.empty(0, 2 * half))
+        return torch.empty(0, 2 * self._inv_freq.size), torch.empty(0, 2 * self._inv_freq.size)
 
     def __call__(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if position_ids.dim() != 2 or position_ids.is_floating_point():
@@ -95,7 +97,7 @@ class RotaryTable:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self._inv_freq, self._scaling = state["_inv_freq"], state["_scaling"]
-        self._table = (torch.empty(0, 2 * self._inv_freq.size), torch.empty(0, 2 * self._inv_freq.size))
+        self._table = self._empty()
 
     def __repr__(self) -> str:
         return f"RotaryTable(dim={2 * self._inv_freq.size}, scaling={float(self._scaling)}, positions={self._table[0].shape[0]})"
