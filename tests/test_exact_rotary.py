@@ -220,7 +220,7 @@ def test_scaled_rope_types_are_tabled_within_their_rounding():
                  {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 8192}):
         module = qwen_rotary(**rope)
-        theirs = on_one_thread(lambda: module(x, ids))
+        theirs = on_one_thread(lambda m=module: m(x, ids))
         model = torch.nn.Module()
         model.rotary_emb = module
         assert use_exact_rotary(model) == 1, rope
