@@ -125,9 +125,10 @@ def _static_table(inv_freq: Any, scaling: Any, rope_type: Any) -> RotaryTable | 
     if not isinstance(inv_freq, torch.Tensor) or not isinstance(scaling, (int, float)) or any(
             kind in str(rope_type) for kind in _DYNAMIC):
         return None
-    if inv_freq.is_meta or inv_freq.dim() != 1 or inv_freq.numel() == 0:
+    try:
+        return RotaryTable(inv_freq, float(scaling))
+    except ValueError:  # not a filled 1-D tensor
         return None
-    return RotaryTable(inv_freq, float(scaling))
 
 
 def _same(theirs: Any, ours: tuple[torch.Tensor, torch.Tensor]) -> bool:
@@ -163,22 +164,21 @@ def _table_for(module: Any) -> RotaryTable | RotaryTables | None:
             return None
         if not _same(theirs, table(probe_x, probe_ids)):
             return None
-        if _reads_3d_positions(module, table, probe_x, extra):
+        if _reads_3d_positions(module, table, probe_x, probe_ids, extra):
             return None
     return result
 
 
-def _reads_3d_positions(module: Any, table: RotaryTable, x: torch.Tensor, extra: tuple) -> bool:
+def _reads_3d_positions(module: Any, table: RotaryTable, x: torch.Tensor, probe: torch.Tensor, extra: tuple) -> bool:
     """Whether `module` gives 3-D position ids a meaning of their own (multimodal rope: one row per axis),
-    where the usual layout broadcasts them (each row its own positions)."""
-    ids = torch.tensor([[[0, 1, 7, 100, 1023]], [[5, 6, 7, 8, 9]], [[2, 2, 2, 2, 2]]], device=x.device)
+    where the usual layout broadcasts them (each row its own positions). `probe`: `[1, n]` position ids."""
+    rows = torch.cat([probe, probe.flip(1), probe // 2])  # three different rows of positions
     try:
         with torch.inference_mode():
-            theirs = module(x, ids, *extra)
+            theirs = module(x, rows[:, None], *extra)
     except (TypeError, ValueError, RuntimeError):
         return False
-    ours = tuple(t.reshape(3, 1, 5, -1) for t in table(x, ids.reshape(3, 5)))
-    return not _same(theirs, ours)
+    return not _same(theirs, tuple(t[:, None] for t in table(x, rows)))
 
 
 def use_exact_rotary(model: torch.nn.Module) -> int:
