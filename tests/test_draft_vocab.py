@@ -56,8 +56,9 @@ def test_output_rows_of_a_linear_or_any_other_head() -> None:
     other = torch.nn.Sequential(torch.nn.Linear(16, 30), torch.nn.Tanh())
     x = torch.randn(4, 16)
     ids = torch.tensor([29, 0, 7, 8, 9])
-    for head in (linear, other):
-        assert torch.equal(output_rows(head, ids)(x), head(x)[:, ids])
+    # torch's GEMM over 5 rows need not give the bits of its GEMM over 30 (seen on an AMD EPYC): close, not equal
+    torch.testing.assert_close(output_rows(linear, ids)(x), linear(x)[:, ids], rtol=1e-6, atol=1e-6)
+    assert torch.equal(output_rows(other, ids)(x), other(x)[:, ids])  # the full output, then its columns
     assert output_rows(linear, torch.arange(3, 9)).weight.data_ptr() == linear.weight[3].data_ptr()  # a view
 
 
