@@ -64,3 +64,40 @@ def tiny_model(arch: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> 
     torch.manual_seed(seed)
     model = cls(config)
     return model.to(dtype).eval()
+
+
+# Byte-level BPE merges of the tiny tokenizer: JSON punctuation and a few words, so that a text has
+# several tokenizations (a grammar's forced bytes are not one token each).
+BYTE_MERGES = (('{', '"'), ('"', ':'), ('"', ','), ('"', '}'), ('n', 'a'), ('m', 'e'), ('na', 'me'), ('t', 'r'),
+               ('u', 'e'), ('tr', 'ue'), ('Ġ', '"'), ('a', 'b'))
+
+
+def _byte_symbols() -> dict[int, str]:
+    """GPT-2's byte -> printable symbol map (the byte-level pre-tokenizer's alphabet)."""
+    kept = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    symbols, extra = list(kept), 0
+    for b in range(256):
+        if b not in kept:
+            kept.append(b)
+            symbols.append(256 + extra)
+            extra += 1
+    return {b: chr(s) for b, s in zip(kept, symbols)}
+
+
+def byte_tokenizer():
+    """A byte-level BPE tokenizer over printable ASCII and newline with `BYTE_MERGES` (under `VOCAB`
+    ids), as real GPT-2/Qwen-style tokenizers are built: grammars compile against it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    symbol = _byte_symbols()
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2}
+    for b in [*range(32, 127), 10]:
+        vocab[symbol[b]] = len(vocab)
+    for a, b in BYTE_MERGES:
+        vocab[a + b] = len(vocab)
+    assert len(vocab) <= VOCAB
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=list(BYTE_MERGES)))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")

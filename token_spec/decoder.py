@@ -19,8 +19,10 @@ import time
 import torch
 
 from thinkahead.token_spec.controller import AdaptiveController, SpeculationController
+from thinkahead.token_spec.constrained import grammar_draft, masked, row_masks
 from thinkahead.token_spec.draft import Draft
 from thinkahead.token_spec.drafters import Drafter
+from thinkahead.token_spec.grammar import Constraint
 from thinkahead.token_spec.names import common_prefix_len
 from thinkahead.token_spec.prefix_pool import KVPrefixPool
 from thinkahead.token_spec.stats import SpecStats
@@ -58,6 +60,7 @@ class _Generation:
     stats: SpecStats  # counters, filled round by round
     started: float
     session: Any = None
+    constraint: Constraint | None = None  # the grammar the output must follow
     context: list[int] = field(default_factory=list)  # prompt + committed output
     output: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)  # of each output token, from the verify rows
@@ -86,6 +89,7 @@ class _Round:
     acceptance: Acceptance
     fed: int  # tokens in the verify forward
     forward_s: float
+    forced: int = 0  # draft tokens the grammar forced (jump-forward)
     tokens: list[int] = field(default_factory=list)  # what this round commits
     logprobs: list[float] = field(default_factory=list)  # the model's log-probability of each token of the path
 
@@ -130,6 +134,7 @@ class SpeculativeDecoder:
         stop_strings: Sequence[str] = (),
         session_id: Hashable | None = None,
         on_tokens: Callable[[list[int]], None] | None = None,
+        constraint: Constraint | None = None,
     ) -> GenerationResult:
         """Continue `prompt_ids` by up to `max_new_tokens` tokens.
 
@@ -140,6 +145,10 @@ class SpeculativeDecoder:
         one of `stop_strings`; the text then ends right before the stop string (OpenAI and SGLang
         semantics) and `token_ids` end with the token that completed it.
 
+        `constraint` (a fresh `Constraint` from a `TokenGrammar`) makes the output follow a grammar: its
+        mask applies at every verified position, and the tokens it forces are drafted for free (when
+        there is a drafter). Greedy output equals plain greedy decoding under the same grammar.
+
         `on_tokens(new_ids)` is called after each round with the tokens it committed (after the stop
         token, stop string and length cuts: what it is given is always a prefix of the final
         `token_ids`), for streaming. To stop the generation early it raises; the decoder releases its
@@ -147,11 +156,13 @@ class SpeculativeDecoder:
         """
         gen = self._new_generation(prompt_ids, max_new_tokens, sampling, stop_token_ids, seed, request_id,
                                    stop_strings)
+        gen.constraint = constraint
         self._prefill(gen, session_id)
         try:
             while not gen.done:
-                draft, probe = self._draft(gen)
+                draft, probe, forced = self._draft(gen)
                 rnd = self._verify(gen, draft, probe)
+                rnd.forced = forced
                 self._accept(gen, rnd)
                 self._learn(gen, rnd)
                 self._check_stop_string(gen, rnd)
@@ -208,22 +219,38 @@ class SpeculativeDecoder:
         if self.drafter is not None:
             self.drafter.start(gen.rid, prompt, gen.sampling, session_id=session_id)
 
-    def _draft(self, gen: _Generation) -> tuple[Draft, Draft | None]:
-        """This round's draft within the controller's budget, and a free probe draft when the budget is zero."""
+    def _draft(self, gen: _Generation) -> tuple[Draft, Draft | None, int]:
+        """This round's draft within the controller's budget, a free probe draft when the budget is zero,
+        and how many draft tokens a grammar forced."""
         drafter, room = self.drafter, gen.room
         if drafter is None or room <= 0:
-            return Draft(), None
+            return Draft(), None, 0
         budget = min(self.controller.budget(), room)
         t0 = time.perf_counter()
         try:
+            if gen.constraint is not None:
+                return self._grammar_draft(gen, room, budget)
             if budget > 0:
-                return self.controller.trim(drafter.propose(gen.rid, gen.context, budget)).truncated(room), None
+                return self.controller.trim(drafter.propose(gen.rid, gen.context, budget)).truncated(room), None, 0
             if drafter.model_free:
                 # Free to ask: see whether a draft would have hit, without verifying it.
-                return Draft(), drafter.propose(gen.rid, gen.context, self.probe_tokens)
-            return Draft(), None
+                return Draft(), drafter.propose(gen.rid, gen.context, self.probe_tokens), 0
+            return Draft(), None, 0
         finally:
             gen.draft_s += time.perf_counter() - t0
+
+    def _grammar_draft(self, gen: _Generation, room: int, budget: int) -> tuple[Draft, None, int]:
+        """The forced tokens, then the drafter's guess after them, pruned to the grammar. A draft model
+        drafts only where nothing is forced (its own KV follows the committed context)."""
+        drafter = self.drafter
+
+        def propose(forced: list[int], n: int) -> Draft:
+            if n <= 0 or (forced and not drafter.model_free):
+                return Draft()
+            return self.controller.trim(drafter.propose(gen.rid, gen.context + forced, n))
+
+        draft, forced = grammar_draft(gen.constraint, room, propose, budget)
+        return draft, None, forced
 
     def _verify(self, gen: _Generation, draft: Draft, probe: Draft | None) -> _Round:
         """One target forward over `[last committed token] + draft`, the acceptance, and the KV rolled back to it."""
@@ -233,10 +260,11 @@ class SpeculativeDecoder:
         start = gen.session.length
         t0 = time.perf_counter()
         logits = self.engine.forward(gen.session, tokens, parents)
+        scored = logits if gen.constraint is None else masked(logits, row_masks(gen.constraint, draft))
         if gen.sampling.greedy:
-            acceptance = verify_greedy(logits, draft)
+            acceptance = verify_greedy(scored, draft)
         else:
-            acceptance = verify_sampling(logits, draft, gen.sampling, gen.generator)
+            acceptance = verify_sampling(scored, draft, gen.sampling, gen.generator)
         self._rollback(gen.session, start, acceptance, tree)
         forward_s = time.perf_counter() - t0
         gen.verify_s += forward_s
@@ -269,6 +297,7 @@ class SpeculativeDecoder:
         stats.spec_verify_ct += 1
         stats.spec_num_proposed_drafts += len(rnd.draft)
         stats.spec_num_correct_drafts += accepted
+        stats.grammar_forced_drafts += rnd.forced
         self.controller.update(len(rnd.draft), accepted, rnd.fed, rnd.forward_s)
         probe = rnd.probe
         if probe is not None and len(probe):
@@ -294,6 +323,8 @@ class SpeculativeDecoder:
         gen.output.extend(rnd.tokens)
         gen.logprobs.extend(rnd.logprobs[: len(rnd.tokens)])  # the stop cuts shortened the tokens only
         gen.context.extend(rnd.tokens)
+        if gen.constraint is not None:
+            gen.constraint.advance(rnd.tokens)
         if self.drafter is not None:
             self.drafter.observe(gen.rid, rnd.tokens, rnd.draft)
 

@@ -33,6 +33,7 @@ class SpecStats:
     spec_verify_ct: int = 0  # verify forwards (one per round)
     spec_num_proposed_drafts: int = 0  # draft tokens sent for verification
     spec_num_correct_drafts: int = 0  # draft tokens the verifier accepted (a stop may drop some of them)
+    grammar_forced_drafts: int = 0  # of the proposed, tokens a grammar forced (drafted for free)
     draft_time_s: float | None = None
     verify_time_s: float | None = None
     prefill_time_s: float | None = None
