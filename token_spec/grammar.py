@@ -92,6 +92,15 @@ def styled_schema(schema: dict[str, Any] | bool) -> dict[str, Any]:
     return {**schema, "x-guidance": {**schema.get("x-guidance", {}), **JSON_STYLE}}
 
 
+def plain_schema(spec: GrammarSpec) -> dict[str, Any]:
+    """The JSON schema of a `json_schema` spec as a remote server takes it (without llguidance's style key)."""
+    if spec.kind != "json_schema":
+        raise GrammarError(f"a {spec.kind} grammar is not a JSON schema", spec.field)
+    schema = json.loads(spec.source)
+    schema.pop("x-guidance", None)
+    return schema
+
+
 def _limits() -> Any:
     """llguidance's parser limits: what bounds a grammar's compile time and memory."""
     import llguidance
@@ -274,4 +283,4 @@ class Constraint:
 
 
 __all__ = ["CACHED_GRAMMARS", "Constraint", "GRAMMAR_KINDS", "GrammarError", "GrammarSpec", "JSON_STYLE",
-           "TokenGrammar", "styled_schema"]
+           "TokenGrammar", "plain_schema", "styled_schema"]

@@ -15,6 +15,7 @@ from contextvars import ContextVar
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, get_args
 
+from thinkahead.token_spec.grammar import GrammarSpec
 from thinkahead.token_spec.stats import SpecStats
 
 
@@ -37,6 +38,7 @@ class GenerationRequest:
     request_id: str | None = None
     speculative: bool = True  # token-level speculation (lossless); off gives the plain baseline
     session_id: str | None = None  # an agent session: this prompt extends the session's last one
+    grammar: GrammarSpec | None = None  # the output must match it (a backend refuses a kind it cannot enforce)
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):
@@ -282,6 +284,17 @@ class LanguageModel(abc.ABC):
     def count_tokens(self, text: str) -> int:
         """Tokens in `text` (an estimate where the backend has no tokenizer)."""
         return max(1, len(text) // 4) if text else 0
+
+    #: the `GrammarSpec` kinds this backend enforces while it decodes (none by default)
+    grammar_kinds: tuple[str, ...] = ()
+
+    def check_grammar(self, spec: GrammarSpec) -> None:
+        """Refuse `spec` now, by its field, where this backend cannot enforce it or it does not compile."""
+        if spec.kind not in self.grammar_kinds:
+            from thinkahead.token_spec.grammar import GrammarError
+
+            raise GrammarError(f"a {spec.kind} grammar cannot be enforced by {type(self).__name__} {self.name!r}",
+                               spec.field)
 
     async def end_session(self, session_id: str) -> None:
         """Forget what the backend keeps for an agent session; the default keeps nothing."""

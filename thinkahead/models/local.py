@@ -22,6 +22,8 @@ from thinkahead.models.base import (
     prompt_text, render_chat,
 )
 from thinkahead.models.streaming import TextPiece, TextStream
+from thinkahead.models.templates import repair_chat_template
+from thinkahead.token_spec.grammar import GRAMMAR_KINDS, GrammarSpec
 from thinkahead.token_spec.names import MAX_DRAFT, common_prefix_len
 from thinkahead.token_spec.recording import TokenRecorder
 
@@ -62,6 +64,7 @@ class LocalModel(LanguageModel):
         from thinkahead.token_spec.prefix_pool import KVPrefixPool
         from thinkahead.token_spec.names import SINGLE_MODEL_KINDS, check_drafter
         from thinkahead.token_spec.presets import build_decoder
+        from thinkahead.token_spec.grammar import TokenGrammar
         from thinkahead.token_spec.suffix_cache import SuffixCache
 
         check_drafter(drafter, SINGLE_MODEL_KINDS)
@@ -74,7 +77,7 @@ class LocalModel(LanguageModel):
 
             model, tokenizer = load_causal_lm(spec, dtype)
         self.name = name or spec or getattr(model.config, "name_or_path", "") or "local"
-        self.tokenizer = tokenizer
+        self.tokenizer = repair_chat_template(tokenizer)
         self.engine = HFEngine(model)
         self.suffix_cache = cache if cache is not None else SuffixCache()
         self.prefix_pool = KVPrefixPool(self.engine, max_sessions=kv_sessions)
@@ -82,6 +85,7 @@ class LocalModel(LanguageModel):
         self._speculative = build_decoder(drafter, self.engine, **common)
         self._plain = build_decoder("none", self.engine, **common)
         self.stop_token_ids = self._stop_token_ids()
+        self.grammars = TokenGrammar(tokenizer, _vocab_size(model, tokenizer), self.stop_token_ids)
         self._lock = threading.Lock()  # one generation at a time per model (the suffix cache is not thread-safe)
         self.recorder = TokenRecorder(record) if record is not None else None  # for `thinkahead simulate`
 
@@ -145,6 +149,11 @@ class LocalModel(LanguageModel):
     def count_tokens(self, text: str) -> int:
         return len(self.encode(text))
 
+    grammar_kinds = GRAMMAR_KINDS
+
+    def check_grammar(self, spec: GrammarSpec) -> None:
+        self.grammars.compile(spec)
+
     # ------------------------------------------------------------------ sync implementations
     def generate_sync(self, request: GenerationRequest,
                       on_tokens: Callable[[list[int]], None] | None = None) -> Completion:
@@ -186,6 +195,7 @@ class LocalModel(LanguageModel):
 
         decoder = self._speculative if request.speculative else self._plain
         sampling = SamplingParams(temperature=request.temperature, top_p=request.top_p)
+        constraint = None if request.grammar is None else self.grammars.constraint(request.grammar)
         with self._lock:
             result = decoder.generate(
                 ids,
@@ -197,6 +207,7 @@ class LocalModel(LanguageModel):
                 stop_strings=request.stop,
                 session_id=request.session_id,
                 on_tokens=on_tokens,
+                constraint=constraint,
             )
             if self.recorder is not None:
                 self.recorder.record(self.name, request.session_id, ids, result.token_ids)
@@ -371,3 +382,9 @@ class _Scorer:
             seq = (self.prompt + self.output)[: self.session.length]
             self.model.prefix_pool.release(self.session, seq)
             self.session = None
+
+
+def _vocab_size(model: Any, tokenizer: Any) -> int:
+    """The width of the model's logits (it may exceed the tokenizer's vocabulary)."""
+    size = getattr(getattr(model, "config", None), "vocab_size", None)
+    return int(size) if isinstance(size, int) and size > 0 else len(tokenizer)

@@ -28,6 +28,7 @@ from thinkahead.models.base import (
     resolve_tokenizer,
 )
 from thinkahead.models.http import DEFAULT_CALL_TIMEOUT_S, HttpClient, ModelServerError, bearer_headers
+from thinkahead.token_spec.grammar import plain_schema
 
 
 class OpenAIModel(LanguageModel):
@@ -46,7 +47,12 @@ class OpenAIModel(LanguageModel):
             tokens are estimated.
         extra_body: extra fields merged into every completions request (e.g. vLLM/SGLang sampling
             extensions such as `{"skip_special_tokens": False}`).
+
+    A request's JSON-schema grammar goes to the server as its `response_format` (vLLM and SGLang
+    enforce it while decoding); other grammar kinds have no portable field and are refused.
     """
+
+    grammar_kinds = ("json_schema",)
 
     def __init__(
         self,
@@ -96,6 +102,10 @@ class OpenAIModel(LanguageModel):
             payload["stop"] = list(request.stop)
         if request.seed is not None:
             payload["seed"] = request.seed
+        if request.grammar is not None:
+            self.check_grammar(request.grammar)
+            payload["response_format"] = {"type": "json_schema", "json_schema": {
+                "name": "output", "schema": plain_schema(request.grammar), "strict": True}}
         start = time.perf_counter()
         reply = await self.client.post_json("/completions", payload)
         elapsed = time.perf_counter() - start

@@ -39,6 +39,7 @@ from thinkahead.models.base import (
     render_plain, resolve_tokenizer,
 )
 from thinkahead.models.http import DEFAULT_CALL_TIMEOUT_S, HttpClient, ModelServerError, bearer_headers
+from thinkahead.token_spec.grammar import plain_schema
 from thinkahead.token_spec.stats import SPEC_COUNTERS, SpecStats
 
 FINISH_TYPES = ("stop", "length")
@@ -70,6 +71,8 @@ class SGLangModel(LanguageModel):
             `{"skip_special_tokens": False}`); SGLang rejects unknown fields with HTTP 400.
         extra_body: extra top-level `/generate` fields (e.g. `{"lora_path": "adapter"}`).
     """
+
+    grammar_kinds = ("json_schema", "regex", "ebnf")  # SGLang's sampling_params json_schema / regex / ebnf
 
     def __init__(
         self,
@@ -127,6 +130,10 @@ class SGLangModel(LanguageModel):
             sampling["stop"] = list(request.stop)
         if request.seed is not None:
             sampling["sampling_seed"] = request.seed  # SGLang's name; its schema rejects "seed"
+        if request.grammar is not None:  # SGLang's own constrained decoding (xgrammar by default)
+            self.check_grammar(request.grammar)
+            spec = request.grammar
+            sampling[spec.kind] = json.dumps(plain_schema(spec)) if spec.kind == "json_schema" else spec.source
         payload: dict[str, Any] = {**self.extra_body, **self._prompt_field(prompt), "sampling_params": sampling}
         start = time.perf_counter()
         if self.stream:

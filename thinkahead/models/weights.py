@@ -13,6 +13,7 @@ from thinkahead.models.dtypes import AUTO, DTYPES, GGUF, INT8
 from thinkahead.models.load_progress import ConversionProgress
 from thinkahead.models.registry import get_entry, prepare, prepared_path
 from thinkahead.models.specs import ModelSource, resolve_model_spec
+from thinkahead.models.templates import repair_chat_template
 from thinkahead.models.weight_cache import (
     CacheKey,
     cache_enabled,
@@ -37,7 +38,7 @@ def load_tokenizer(spec: str) -> Any:
     location, gguf_file = _locate(resolve_model_spec(spec), None, None)
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(location, **({"gguf_file": gguf_file} if gguf_file else {}))
+    return repair_chat_template(AutoTokenizer.from_pretrained(location, **({"gguf_file": gguf_file} if gguf_file else {})))
 
 
 def _apply_thread_setting() -> None:
@@ -193,7 +194,7 @@ def _with_rotary_tables(model: Any, tokenizer: Any) -> tuple[Any, Any]:
     from thinkahead.models.exact_rotary import use_exact_rotary
 
     use_exact_rotary(model)
-    return model, tokenizer
+    return model, repair_chat_template(tokenizer)
 
 
 def _convert(location: str, gguf_file: str | None, dtype: str, bar: ConversionProgress) -> tuple[Any, Any]:

@@ -252,7 +252,8 @@ class ChatServer:
             graph = orch.workflow(workflow, **options)
         except ValueError as exc:
             raise RequestError(500, f"cannot build workflow {workflow!r}: {exc}", type="server_error") from exc
-        reply = WorkflowReply(req.model, policy, prompt_tokens, counter.count_tokens, req.tools if use_tools else None)
+        reply = WorkflowReply(req.model, policy, prompt_tokens, counter.count_tokens, req.tools if use_tools else None,
+                              max_tokens=req.max_new)  # usage never reports more than the request allowed
         inputs = {"question": question, **({"transcript": transcript} if transcript else {})}
         if not req.stream:
             async with self.admission.slot():

@@ -25,10 +25,12 @@ from thinkahead.models.base import Completion, GenerationRequest, LanguageModel,
 from thinkahead.serving.asgi import RequestError, Responder, unsupported
 from thinkahead.serving.limits import check_context
 from thinkahead.serving.schemas import ChatRequest, Message, NamedToolChoice
+from thinkahead.serving.tool_grammar import ANSWER_GRAMMAR, CALL_CLOSE, CALL_OPEN, tool_call_grammar
 from thinkahead.serving.tools import (
-    OutputError, ParsedCall, forced_prefix, json_instruction, parse_json_output, parse_tool_calls, render_prompt,
+    OutputError, answered_calls, call_key, ParsedCall, forced_prefix, json_instruction, parse_json_output, parse_tool_calls, render_prompt,
     schema_problem, tool_dicts,
 )
+from thinkahead.token_spec.grammar import GrammarError, GrammarSpec
 from thinkahead.token_spec.stats import SPEC_COUNTERS, SpecStats
 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default when a request gives none
@@ -120,6 +122,7 @@ class ChatJob:
                 raise RequestError(400, f"response_format.json_schema.schema is not a valid JSON schema: {problem}",
                                    param="response_format")
         self.fmt = fmt
+        self.grammar = self._grammar(model)  # enforced while decoding, where the model can
         messages = list(req.messages)
         if fmt is not None:
             instruction = json_instruction(fmt)
@@ -128,7 +131,8 @@ class ChatJob:
             else:
                 messages.insert(0, Message(role="system", content=instruction))
         self.messages = messages
-        self.prefix = forced_prefix(choice) if self.rendered_tools else ""
+        self.answered = answered_calls(req.messages) if self.grammar is not None else set()
+        self.prefix = forced_prefix(choice) if self.rendered_tools and self.grammar is None else ""
         try:
             self.prompt = render_prompt(model, messages, self.rendered_tools) + self.prefix
         except ValueError as exc:  # e.g. a template that refuses this order of roles
@@ -139,6 +143,29 @@ class ChatJob:
         self.spent = Spent()
         self.cached_tokens = 0
 
+    def _grammar(self, model: LanguageModel) -> GrammarSpec | None:
+        """The grammar of this request's reply (a JSON format, or calls to its tools) where `model`
+        enforces it while decoding, else None (then the reply is checked and repaired afterwards)."""
+        if self.fmt is not None:
+            schema = self.fmt.json_schema.schema_ if self.fmt.json_schema is not None else None
+            spec = (GrammarSpec.json_schema(schema, "response_format.json_schema.schema") if schema
+                    else GrammarSpec.json_object("response_format"))
+        elif self.rendered_tools and getattr(model, "tokenizer", None) is not None:
+            tools = self.tools
+            if isinstance(self.tool_choice, NamedToolChoice):
+                tools = {self.tool_choice.function.name: tools[self.tool_choice.function.name]}
+            spec = tool_call_grammar(model.tokenizer, {n: t.function.parameters for n, t in tools.items()},
+                                     required=self.required, parallel=self.req.parallel_tool_calls is not False)
+        else:
+            return None
+        if spec.kind not in model.grammar_kinds:
+            return None
+        try:
+            model.check_grammar(spec)
+        except GrammarError as exc:
+            raise RequestError(400, str(exc), param=exc.field) from None
+        return spec
+
     async def run(self) -> list[Choice]:
         return [await self.choice(i) for i in range(self.req.n)]
 
@@ -148,11 +175,19 @@ class ChatJob:
         (a JSON format, tools)."""
         return self.fmt is None and not self.rendered_tools
 
-    def _request(self, prompt: str, index: int) -> GenerationRequest:
-        return sampled_request(self.req, prompt, self.max_new, index, request_id=f"chat-{uuid.uuid4().hex[:12]}")
+    def _request(self, prompt: str, index: int, grammar: GrammarSpec | None = None) -> GenerationRequest:
+        request = sampled_request(self.req, prompt, self.max_new, index, request_id=f"chat-{uuid.uuid4().hex[:12]}")
+        request.grammar = grammar
+        return request
 
-    async def _generate(self, prompt: str, index: int) -> Completion:
-        completion = await self.model.generate(self._request(prompt, index))
+    def repeats_answered(self, calls: list[ParsedCall]) -> bool:
+        """Whether every call repeats one (same name and arguments) whose result is in the history,
+        where the model could answer instead (tool_choice auto, a grammar to hold it to text)."""
+        return (not self.required and "lark" in self.model.grammar_kinds
+                and all(call_key(c.name, c.arguments) in self.answered for c in calls))
+
+    async def _generate(self, prompt: str, index: int, grammar: GrammarSpec | None = None) -> Completion:
+        completion = await self.model.generate(self._request(prompt, index, grammar))
         self.spent.add(completion)
         return completion
 
@@ -160,7 +195,7 @@ class ChatJob:
         """Choice `index` as it is decoded (`streams_text` requests): its text deltas, then the `Choice`."""
         top = (self.req.top_logprobs or 0) if self.req.logprobs else None
         content: list[str] = []
-        async for item in self.model.stream(self._request(self.prompt, index), top_logprobs=top):
+        async for item in self.model.stream(self._request(self.prompt, index, self.grammar), top_logprobs=top):
             if isinstance(item, TextDelta):
                 content.append(item.text)
                 yield item
@@ -171,10 +206,10 @@ class ChatJob:
             yield Choice(index, "".join(content), [], item.finish_reason, None, item.completion_tokens)
 
     async def choice(self, index: int) -> Choice:
-        prompt, attempts = self.prompt, 0
+        prompt, attempts, grammar = self.prompt, 0, self.grammar
         while True:
             attempts += 1
-            completion = await self._generate(prompt, index)
+            completion = await self._generate(prompt, index, grammar)
             if index == 0 and attempts == 1:
                 self.cached_tokens = completion.cached_tokens
             text = self.prefix + self._text(completion)
@@ -183,14 +218,21 @@ class ChatJob:
                               completion.completion_tokens, attempts)
             try:
                 content, calls = self._check(text)
+                if grammar is ANSWER_GRAMMAR:
+                    content, calls = text, []  # the answer after a repeated call is text, whatever it holds
             except OutputError as exc:
-                if attempts > self.repair_attempts:
+                if attempts > self.repair_attempts or self.grammar is not None:  # a grammar: valid by construction
                     raise RequestError(
                         500, f"the model's reply did not fit the request after {attempts} attempts: {exc}",
                         type="server_error", code="invalid_model_output") from None
                 retry = [*self.messages, Message(role="assistant", content=text),
                          Message(role="user", content=f"Your reply was not valid: {exc}. Reply again, correctly.")]
                 prompt = render_prompt(self.model, retry, self.rendered_tools) + self.prefix
+                continue
+            if calls and grammar is self.grammar and self.repeats_answered(calls):
+                # a call whose result the conversation already holds (a loop an agent framework would
+                # follow forever): decode once more, as text only
+                grammar = ANSWER_GRAMMAR
                 continue
             finish = "tool_calls" if calls else "stop"
             return Choice(index, content, calls, finish, await self._logprobs(prompt, completion),
@@ -202,8 +244,9 @@ class ChatJob:
         tokenizer = getattr(self.model, "tokenizer", None)
         if not self.rendered_tools or tokenizer is None or not completion.token_ids:
             return completion.text
-        stops = set(getattr(self.model, "stop_token_ids", ()))
-        ids = [t for t in completion.token_ids if t not in stops]
+        drop = set(getattr(self.model, "stop_token_ids", ())) | set(getattr(tokenizer, "all_special_ids", ()))
+        tags = {tokenizer.convert_tokens_to_ids(tag) for tag in (CALL_OPEN, CALL_CLOSE)}
+        ids = [t for t in completion.token_ids if t not in drop or t in tags]  # no other special token is content
         text = tokenizer.decode(ids, skip_special_tokens=False)
         if completion.matched_stop and completion.matched_stop in text:
             text = text[:text.rfind(completion.matched_stop)]

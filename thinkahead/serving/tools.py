@@ -17,11 +17,12 @@ from typing import Any
 
 from thinkahead.models.base import LanguageModel
 from thinkahead.serving.schemas import Message, NamedToolChoice, ResponseFormat, ToolDef
+from thinkahead.serving.tool_grammar import CALL_CLOSE, CALL_OPEN
 
-CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 _CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|\Z)", re.DOTALL)
 _DECODER = json.JSONDecoder()
 _FENCE = re.compile(r"^```(?:json)?\s*(.*?)\s*```$", re.DOTALL)
+_FENCED_BLOCK = re.compile(r"```(?:json)?\s*(.*?)\s*```", re.DOTALL)
 TOOLS_SYSTEM = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
     "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
@@ -47,6 +48,22 @@ class Parsed:
 
     content: str | None
     calls: list[ParsedCall]
+
+
+def call_key(name: str, arguments: str) -> tuple[str, str]:
+    """A call's identity: its name and its arguments as canonical JSON (key order and spacing ignored)."""
+    try:
+        canonical = json.dumps(json.loads(arguments), sort_keys=True)
+    except json.JSONDecodeError:
+        canonical = arguments
+    return name, canonical
+
+
+def answered_calls(messages: list[Message]) -> set[tuple[str, str]]:
+    """The calls of the history's assistant turns whose results (tool messages) follow them."""
+    results = {m.tool_call_id for m in messages if m.role == "tool" and m.tool_call_id is not None}
+    return {call_key(c.function.name, c.function.arguments) for m in messages for c in (m.tool_calls or [])
+            if c.id in results}
 
 
 def tool_dicts(tools: list[ToolDef] | None) -> list[dict[str, Any]] | None:
@@ -122,8 +139,13 @@ def parse_tool_calls(text: str, tools: dict[str, ToolDef], *, required: bool) ->
     JSON, names no known tool, or has arguments that do not fit the tool's schema."""
     calls = []
     bodies = [m.group(1) for m in _CALL.finditer(text)]
+    rest = _CALL.sub("", text)
     if not bodies and _bare_call(text, tools):
         bodies = [text.strip()]  # a call written without its tags (or a server that dropped them)
+    elif not bodies:  # calls written as fenced JSON blocks, each naming a listed tool
+        fenced = {m.group(0) for m in _FENCED_BLOCK.finditer(text) if _valid_call(m.group(1), tools)}
+        bodies = [m.group(1) for m in _FENCED_BLOCK.finditer(text) if m.group(0) in fenced]
+        rest = _FENCED_BLOCK.sub(lambda m: "" if m.group(0) in fenced else m.group(0), text)
     objects = []
     for body in bodies:
         try:
@@ -151,7 +173,7 @@ def parse_tool_calls(text: str, tools: dict[str, ToolDef], *, required: bool) ->
         calls.append(ParsedCall(name, json.dumps(arguments, ensure_ascii=False)))
     if required and not calls:
         raise OutputError("a tool call is required (tool_choice), but the reply calls none")
-    content = _CALL.sub("", text).strip() if calls and bodies[0] != text.strip() else None if calls else text
+    content = rest.strip() if calls and bodies[0] != text.strip() else None if calls else text
     return Parsed(content or None, calls)
 
 
@@ -181,6 +203,20 @@ def _bare_call(text: str, tools: dict[str, ToolDef]) -> bool:
     except json.JSONDecodeError:
         return False
     return isinstance(data, dict) and set(data) == {"name", "arguments"} and data.get("name") in tools
+
+
+def _valid_call(text: str, tools: dict[str, ToolDef]) -> bool:
+    """Whether `text` is one call's JSON object naming a listed tool, with arguments that fit its schema."""
+    if not _bare_call(text, tools):
+        return False
+    data = json.loads(text)
+    schema = tools[data["name"]].function.parameters
+    try:
+        if schema and isinstance(data["arguments"], dict):
+            check_schema(data["arguments"], schema, "arguments")
+    except OutputError:
+        return False
+    return isinstance(data["arguments"], dict)
 
 
 def check_schema(value: Any, schema: dict[str, Any], what: str) -> None:

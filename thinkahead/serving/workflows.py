@@ -6,14 +6,23 @@ DeepSeek) and `reasoning` (vLLM), steps keeping their separators; the extracted 
 step (author, verdict, score, tokens, text) are in the `thinkahead` field. A parameter a workflow
 cannot honour (sampling settings: the step policy decides how each model samples) is a 400 that
 names it. `max_tokens` caps the reasoning chain of cot, vote and pipeline (finish reason "length"
-when the chain ran out). With `tools`, `thinkahead/react` offers them to its agent loop: a call of one
+when the chain ran out), and the reply's `usage.completion_tokens` never exceeds it: the step loop
+checks its chain budget before each step and the forced answer comes after it, so a run can generate
+more; its usage is then reported at the cap, finish reason "length" (`thinkahead.cost` keeps the true
+count). With `tools`, `thinkahead/react` offers them to its agent loop: a call of one
 ends the run with OpenAI `tool_calls`, and the next request, with the tool's result in its history,
 continues the loop where it stopped.
+
+A run ends in one of three ways: an answer (finish "stop"), a tool call for the client (finish
+"tool_calls"), or cut short. A run cut short by a budget, a step limit or its loop's turn limit (react's
+`max_turns`) is finish "length", with whatever text it has; one that finished with neither an answer nor
+a tool call for any other reason is a 500 `no_answer` error naming why, never an empty success.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from typing import Any
@@ -24,6 +33,8 @@ from thinkahead.serving.asgi import RequestError, unsupported
 from thinkahead.serving.schemas import ChatRequest, Message, ToolDef
 from thinkahead.serving.tools import OutputError, check_schema
 from thinkahead.verifiers.grading.latex import normalize_math
+
+log = logging.getLogger(__name__)
 
 PREFIX = "thinkahead/"
 CHAIN_BUDGET_WORKFLOWS = ("cot", "vote", "pipeline")  # their `max_tokens` caps a reasoning chain
@@ -168,11 +179,15 @@ class WorkflowReply:
     """Builds the OpenAI objects of one workflow run from its result and events."""
 
     def __init__(self, model: str, policy: str, prompt_tokens: int, count_tokens: Any,
-                 tools: list[ToolDef] | None) -> None:
+                 tools: list[ToolDef] | None, max_tokens: int | None = None) -> None:
+        if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
+                                       or max_tokens < 1):
+            raise ValueError(f"max_tokens must be a positive int or None, got {max_tokens!r}")
         self.id, self.model, self.policy = f"chatcmpl-{uuid.uuid4().hex[:24]}", model, policy
         self.created = int(time.time())
         self.prompt_tokens, self.count_tokens = prompt_tokens, count_tokens
         self.tools = {t.function.name: t for t in tools or []}
+        self.max_tokens = max_tokens  # the request's max_tokens / max_completion_tokens, where the workflow takes it
         self.first_call = FirstCompletion()  # the run's first internal generation (`observe_first_completion`)
 
     @property
@@ -199,7 +214,11 @@ class WorkflowReply:
             message["tool_calls"] = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {
                 "name": call["tool"], "arguments": json.dumps(arguments, ensure_ascii=False)}}]
             return message, "tool_calls"
-        return message, finish_reason(result)
+        return message, "length" if self.over_cap(result) else finish_reason(result, content)
+
+    def over_cap(self, result: RunResult) -> bool:
+        """Whether the run generated more tokens than the request's `max_tokens` allowed."""
+        return self.max_tokens is not None and generated(result) > self.max_tokens
 
     def completion(self, result: RunResult) -> dict[str, Any]:
         message, finish = self.message(result)
@@ -229,7 +248,11 @@ class WorkflowReply:
     def usage(self, result: RunResult, content: str) -> dict[str, Any]:
         """OpenAI's usage: the request's own prompt, every generated token (judges and discarded drafts
         included), of which those not in `content` are reasoning."""
-        completion = int(result.cost.get("total_tokens", 0))
+        completion = generated(result)
+        if self.max_tokens is not None and completion > self.max_tokens:
+            log.info("run %s generated %d tokens, over the request's max_tokens=%d: usage reports the cap",
+                     result.id, completion, self.max_tokens)
+            completion = self.max_tokens
         reasoning = max(0, completion - self.count_tokens(content)) if content else completion
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
                 "total_tokens": self.prompt_tokens + completion,
@@ -245,17 +268,42 @@ class WorkflowReply:
                 "error": result.error, "answer": result.answer, "cost": jsonable(result.cost), "steps": steps}
 
 
+def generated(result: RunResult) -> int:
+    """Every token the run generated (judges and discarded drafts included)."""
+    return int(result.cost.get("total_tokens", 0))
+
+
 def run_error(result: RunResult) -> RequestError | None:
-    """A 500 for a run that failed; None for one that finished or that a budget cut short."""
-    if result.status in ("ok", "budget"):
+    """A 500 for a run that failed, or that finished with neither an answer nor a tool call and was not
+    cut short; None for one that answered, stopped at a client tool, or that a budget or limit cut short."""
+    if result.status not in ("ok", "budget"):
+        return RequestError(500, f"run {result.id} ended {result.status}: {result.error}", type="server_error",
+                            code="run_failed")
+    if (why := no_answer(result)) is not None:
+        return RequestError(500, f"run {result.id} of workflow {result.workflow!r} finished without an answer: {why}",
+                            type="server_error", code="no_answer")
+    return None
+
+
+def no_answer(result: RunResult) -> str | None:
+    """Why a run that was not cut short has no answer (no final text, no client tool call); None otherwise."""
+    if pending_call(result) is not None:
         return None
-    return RequestError(500, f"run {result.id} ended {result.status}: {result.error}", type="server_error",
-                        code="run_failed")
+    content, _ = texts(result)
+    if content.strip() or finish_reason(result, content) == "length":
+        return None
+    observe = result.outputs.get("observe")
+    if result.workflow == "react" and isinstance(observe, dict) and observe.get("final") is not None:
+        return "the agent's Final Answer was empty"
+    return "the workflow produced no final text and no tool call"
 
 
-def finish_reason(result: RunResult) -> str:
-    """"length" when a budget cut the run or its chain short, else "stop"."""
+def finish_reason(result: RunResult, content: str = "") -> str:
+    """"length" when a budget cut the run or its chain short, or a loop ran out of turns before the
+    run had any final text (react's `max_turns`), else "stop"."""
     if result.status == "budget":
         return "length"
-    ends = [e["data"].get("stop_reason") for e in result.trace if e["kind"] == "node_end"]
-    return "length" if any(r in LENGTH_STOPS for r in ends) else "stop"
+    ends = [e["data"] for e in result.trace if e["kind"] == "node_end"]
+    if any(d.get("stop_reason") in LENGTH_STOPS for d in ends):
+        return "length"
+    return "length" if not content.strip() and any(d.get("bounded") for d in ends) else "stop"

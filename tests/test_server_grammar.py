@@ -1,0 +1,140 @@
+"""The server's tool calls and JSON formats through the grammar, on a local model (a tiny random model
+whose every free choice is noise, with a byte-level BPE tokenizer): whatever the model would write,
+a forced call is a valid call and a JSON format is valid JSON, first time; a bad schema is a 400."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+
+from tests.server_fixtures import openai_client, serve  # noqa: F401 (fixture)
+from tests.tiny_models import byte_tokenizer, tiny_model
+from thinkahead.serving.openai_server import create_app
+from thinkahead.serving.tool_grammar import ANSWER_GRAMMAR, tool_call_grammar
+from thinkahead.serving.tools import parse_tool_calls
+from thinkahead.serving.schemas import ToolDef
+from thinkahead.models.templates import repaired_template
+
+ADD = {"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 999},
+                                     "b": {"type": "integer", "minimum": 0, "maximum": 999}},
+    "required": ["a", "b"], "additionalProperties": False}}}
+CITY = {"type": "function", "function": {"name": "city", "parameters": {
+    "type": "object", "properties": {"name": {"enum": ["Paris", "Rome"]}}, "required": ["name"],
+    "additionalProperties": False}}}
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                                           "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2}},
+          "required": ["name", "age", "tags"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def noisy():
+    from thinkahead.models.local import LocalModel
+
+    model = tiny_model("qwen2")
+    model.config.max_position_embeddings = 4096  # the tool listing is ~800 byte-level tokens
+    return LocalModel(model=model, tokenizer=byte_tokenizer(), name="noisy")
+
+
+@pytest.fixture
+def client(serve, noisy):
+    return openai_client(serve(create_app(small=noisy, large=noisy)))
+
+
+ASK = [{"role": "user", "content": "What is 2 + 3?"}]
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "city"}}])
+def test_a_forced_call_is_a_valid_call_first_time(client, choice):
+    for seed_words in ("What is 2 + 3?", "Which city?", "x y z"):
+        reply = client.chat.completions.create(model="noisy", messages=[{"role": "user", "content": seed_words}],
+                                               tools=[ADD, CITY], tool_choice=choice, temperature=0, max_tokens=80)
+        c = reply.choices[0]
+        assert c.finish_reason == "tool_calls", c.message
+        assert reply.model_extra["thinkahead"]["attempts"] == [1]
+        for call in c.message.tool_calls:
+            tool = {"add": ADD, "city": CITY}[call.function.name]
+            jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+        if isinstance(choice, dict):
+            assert {call.function.name for call in c.message.tool_calls} == {"city"}
+
+
+def test_a_forced_call_streams_as_tool_call_deltas(client):
+    stream = client.chat.completions.create(model="noisy", messages=ASK, tools=[ADD], tool_choice="required",
+                                            temperature=0, max_tokens=80, stream=True)
+    chunks = list(stream)
+    args = "".join(d.function.arguments or "" for ch in chunks for d in (ch.choices[0].delta.tool_calls or [])
+                   if d.function)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    jsonschema.validate(json.loads(args), ADD["function"]["parameters"])
+
+
+def test_a_json_schema_format_is_valid_by_construction(client):
+    for temperature in (0, 1):
+        reply = client.chat.completions.create(
+            model="noisy", messages=ASK, temperature=temperature, max_tokens=120,
+            response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}})
+        assert reply.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(reply.choices[0].message.content), PERSON)
+        assert reply.model_extra["thinkahead"]["attempts"] == [1]
+    reply = client.chat.completions.create(model="noisy", messages=ASK, temperature=0, max_tokens=120,
+                                           response_format={"type": "json_object"})
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    if reply.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(reply.choices[0].message.content), dict)
+
+
+@pytest.mark.parametrize("schema, words", [
+    ({"type": "object", "if": {"type": "object"}}, "Unimplemented"),
+    ({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}, "matches no output"),
+    ({"type": "string", "pattern": "(a|b"}, "regex"),
+])
+def test_a_bad_schema_is_a_400_naming_the_field(client, schema, words):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="noisy", messages=ASK, max_tokens=20, response_format={
+            "type": "json_schema", "json_schema": {"name": "bad", "schema": schema}})
+    assert info.value.body["param"].startswith("response_format"), info.value.body  # jsonschema's check comes first
+    assert words in info.value.body["message"]
+
+
+def test_a_tool_with_a_bad_schema_is_a_400(client):
+    bad = {"type": "function", "function": {"name": "bad", "parameters": {"type": "object", "if": {}}}}
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="noisy", messages=ASK, tools=[bad], tool_choice="required", max_tokens=20)
+    assert info.value.body["param"] == "tools"
+
+
+def test_auto_allows_text_then_a_call_and_no_special_tokens(noisy):
+    tok = noisy.tokenizer
+    spec = tool_call_grammar(tok, {"add": ADD["function"]["parameters"]}, required=False)
+    c = noisy.grammars.constraint(spec)
+    assert c.valid_prefix(tok.encode("Let me add. <tool_call>\n")) == len(tok.encode("Let me add. <tool_call>\n"))
+    c.advance(tok.encode("Let me add. <tool_call>\n"))
+    assert c.valid_prefix(tok.encode('{"name": "sub"')) < len(tok.encode('{"name": "sub"'))  # only listed tools
+    call = '{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+    assert c.valid_prefix(tok.encode(call)) == len(tok.encode(call))
+    answer = noisy.grammars.constraint(ANSWER_GRAMMAR)
+    assert answer.valid_prefix(tok.encode("{")) == 0 and answer.valid_prefix(tok.encode("```")) == 0
+    assert not answer.mask()[tok.eos_token_id] and not answer.mask()[tok.bos_token_id]
+
+
+def test_calls_written_in_fenced_blocks_naming_a_listed_tool_are_calls():
+    tools = {"add": ToolDef.model_validate(ADD)}
+    text = 'Adding.\n```json\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n```\n```json\n{"x": 1}\n```'
+    parsed = parse_tool_calls(text, tools, required=False)
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.calls] == [("add", {"a": 2, "b": 3})]
+    assert parsed.content == 'Adding.\n\n```json\n{"x": 1}\n```'
+    bad_args = '```json\n{"name": "add", "arguments": {"a": "two"}}\n```'
+    assert parse_tool_calls(bad_args, tools, required=False).calls == []  # not a valid call: left as text
+
+
+def test_the_doubled_brace_tool_example_is_repaired():
+    damaged = '{{- "\\n<tool_call>\\n{{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}}\\n</tool_call>" }}'
+    fixed = repaired_template(damaged)
+    assert '{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n' in fixed
+    assert fixed.startswith("{{- ") and fixed.endswith(" }}")  # Jinja's own braces untouched
+    assert repaired_template(fixed) == fixed
