@@ -1,19 +1,18 @@
 """Grammar-constrained decoding on the real model (greedy, one process).
 
-1. speed   Constrained against unconstrained decoding on the same outputs: each prompt is decoded under
-           its JSON schema, then without a grammar for as many tokens as the constrained output has;
-           "same" says whether the free output's token ids equal the constrained ones (where they differ,
-           tok/s still compares). Two rows: the plain decoder and the suffix drafter, each arm its own
-           decoder (the suffix ones each with a fresh SuffixCache, so one arm's outputs never draft the
-           other's), no KV prefix pool. Per prompt the four runs go in ABBA order, reversed on every
-           other prompt, so each arm runs first as often as second.
-2. extract A pipeline sub-agent's workload: one extraction prompt over many short texts, into a 5-key
-           schema (nested object, array of objects, enums). The suffix drafter with the grammar, arm A as
-           the library does it (grammar-forced tokens drafted for free), arm B the same drafter with
-           `Constraint.forced` patched to return nothing; each arm its own fresh SuffixCache. Reported:
-           tokens per verify step of each arm and A/B; A and B must give the same tokens (greedy is
-           lossless), and each output must be JSON valid against the schema.
+1. speed   Constrained against unconstrained decoding on the same outputs: each prompt is decoded under its
+           JSON schema, then without a grammar for as many tokens as the constrained output has; "same" says
+           whether the free output's token ids equal the constrained ones (where not, tok/s still compares).
+           Rows: the plain decoder and the suffix drafter; each arm its own decoder (the suffix ones each with
+           a fresh SuffixCache, so one arm's outputs never draft the other's), no KV prefix pool. Per prompt
+           the four runs go ABBA, reversed on every other prompt. tok/s leaves out the first token (prefill).
+2. extract A pipeline sub-agent's workload: one extraction prompt over many short texts into a 5-key schema
+           (nested object, array of objects, enums). The suffix drafter under the grammar: arm A as the library
+           does it (grammar-forced tokens drafted for free), arm B with `Constraint.forced` patched to return
+           nothing; each arm its own fresh SuffixCache. Reported: tokens per verify step and A/B; A and B must
+           give the same tokens (greedy is lossless), each output JSON valid against the schema.
 
+The load average before and after goes into the JSON: timings on a busy machine do not compare.
 Writes bench/results/grammar_decoding.json and prints markdown tables. Run:
   python bench/grammar_decoding.py            # 6 prompts, 8 items
   python bench/grammar_decoding.py --quick    # 2 and 2 (a smoke run)
@@ -21,13 +20,14 @@ Writes bench/results/grammar_decoding.json and prints markdown tables. Run:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 import argparse
 import json
+import os
 import platform
 
 import jsonschema
@@ -60,42 +60,31 @@ SPEED_PROMPTS: list[tuple[str, dict[str, Any]]] = [
     ("a fictional pair of trail-running shoes", PRODUCT),
     ("a fictional order of garden tools that was cancelled", ORDER),
 ]
-TICKET = obj(customer=obj(name=STR, email=STR),
-             product=STR,
+TICKET = obj(customer=obj(name=STR, email=STR), product=STR,
              issue={"enum": ["billing", "shipping", "defect", "account", "other"]},
-             priority={"enum": ["low", "medium", "high"]},
-             items={"type": "array", "items": obj(sku=STR, qty=INT)})
+             priority={"enum": ["low", "medium", "high"]}, items={"type": "array", "items": obj(sku=STR, qty=INT)})
 TICKETS = [
-    "Hi, this is Maria Lopez (maria.lopez@example.com). My Breeze 300 desk fan arrived with a cracked blade. "
-    "I ordered 2 of SKU BF-300. Please fix this soon, it's very hot here!",
+    "Maria Lopez (maria.lopez@example.com): my Breeze 300 desk fan came with a cracked blade. 2x BF-300. Fix it soon!",
     "Tom Becker here, tom.b@example.org. I was charged twice for my Aurora lamp order (1x AL-22). Not urgent.",
-    "From: Priya Nair <priya@example.net>. Where is my package? Ordered 3x KT-9 kettles and 1x KT-9F filter "
-    "two weeks ago and tracking hasn't moved.",
-    "Hello, Jonas Vik (jonas.vik@example.com). I can't log in to my account to register my new Orbit 5 "
-    "headphones (OR-5, qty 1). Whenever you can.",
-    "Customer: Aiko Tanaka, aiko.t@example.jp. The Nimbus rice cooker (NR-10) stopped heating after a week. "
-    "I bought 1. This is urgent, I run a small restaurant.",
-    "Sam O'Neil, sam.oneil@example.ie: I'd like to know if the Drift chair (DC-4) comes in green. I have 4 in "
-    "my cart already.",
-    "Lena Fischer (lena.fischer@example.de) writes: invoice 4471 lists 5x PN-2 pens but I only ordered 2x PN-2 "
-    "and 1x PN-7 notebook. Please correct the bill.",
-    "This is Omar Haddad, omar.h@example.com. My Volt charger (VC-65) box arrived empty! Ordered 2. Need a "
-    "replacement ASAP.",
+    "From Priya Nair <priya@example.net>: where is my package? 3x KT-9 kettles and 1x KT-9F filter, two weeks ago.",
+    "Jonas Vik (jonas.vik@example.com): I can't log in to register my Orbit 5 headphones (OR-5, qty 1). No rush.",
+    "Aiko Tanaka, aiko.t@example.jp. The Nimbus rice cooker (NR-10, bought 1) stopped heating. Urgent, I run a cafe.",
+    "Sam O'Neil, sam.oneil@example.ie: does the Drift chair (DC-4) come in green? I have 4 in my cart already.",
+    "Lena Fischer (lena@example.de): invoice 4471 lists 5x PN-2 pens, but I ordered 2x PN-2 and 1x PN-7 notebook.",
+    "This is Omar Haddad, omar.h@example.com. My Volt charger (VC-65) box arrived empty! Ordered 2. Need it ASAP.",
 ]
 
 
 def cpu_flags() -> dict[str, bool]:
-    try:
-        flags = set(Path("/proc/cpuinfo").read_text().split())
-    except OSError:
-        flags = set()
+    info = Path("/proc/cpuinfo")
+    flags = set(info.read_text().split()) if info.exists() else set()
     return {"avx2": "avx2" in flags, "avx512f": "avx512f" in flags, "avx512_vnni": "avx512_vnni" in flags,
             "amx": any(f.startswith("amx") for f in flags)}
 
 
 @contextmanager
 def no_forced_drafts() -> Iterator[None]:
-    """The same drafter without grammar-forced drafts: `Constraint.forced` gives nothing while inside."""
+    """The same drafter without grammar-forced drafts: `Constraint.forced` gives nothing inside."""
     saved = grammar_mod.Constraint.forced
     grammar_mod.Constraint.forced = lambda self, limit: []  # type: ignore[method-assign]
     try:
@@ -107,9 +96,13 @@ def no_forced_drafts() -> Iterator[None]:
 def parse_valid(text: str, schema: dict[str, Any]) -> bool:
     try:
         jsonschema.validate(json.loads(text), schema)
+        return True
     except (ValueError, jsonschema.ValidationError):
         return False
-    return True
+
+
+def prompt_ids(model: LocalModel, content: str) -> list[int]:
+    return model.encode(model.render([{"role": "user", "content": content}]))
 
 
 def run(model: LocalModel, decoder: SpeculativeDecoder, ids: list[int], n: int,
@@ -118,11 +111,15 @@ def run(model: LocalModel, decoder: SpeculativeDecoder, ids: list[int], n: int,
     return decoder.generate(ids, n, stop_token_ids=model.stop_token_ids, constraint=constraint)
 
 
+def fresh(kind: str, model: LocalModel) -> SpeculativeDecoder:
+    """A decoder of drafter `kind` over the model's engine, with its own empty SuffixCache and no KV prefix pool."""
+    return build_decoder(kind, model.engine, tokenizer=model.tokenizer, cache=SuffixCache())
+
+
 def record(r: GenerationResult) -> dict[str, Any]:
     s = r.stats
-    decode_s = s.total_time_s - s.first_token_s
     return {"tokens": s.completion_tokens, "finish": r.finish_reason, "total_s": round(s.total_time_s, 3),
-            "decode_s": round(decode_s, 3), "decode_tok_s": round(s.tokens_per_s, 2),
+            "decode_s": round(s.total_time_s - s.first_token_s, 3), "decode_tok_s": round(s.tokens_per_s, 2),
             "verify_ct": s.spec_verify_ct, "proposed": s.spec_num_proposed_drafts,
             "correct": s.spec_num_correct_drafts, "forced": s.grammar_forced_drafts,
             "tok_per_verify": round(s.spec_accept_length, 3), "text": r.text}
@@ -135,18 +132,14 @@ def tok_s(rows: list[dict[str, Any]]) -> float:
 
 
 def speed(model: LocalModel, prompts: list[tuple[str, dict[str, Any]]], max_new: int) -> list[dict[str, Any]]:
-    make: dict[str, Callable[[], SpeculativeDecoder]] = {
-        "plain": lambda: build_decoder("none", model.engine, tokenizer=model.tokenizer),
-        "suffix": lambda: build_decoder("suffix", model.engine, tokenizer=model.tokenizer, cache=SuffixCache()),
-    }
-    decoders = {(row, arm): make[row]() for row in make for arm in ("constrained", "free")}
-    rows = []
+    decoders = {(row, arm): fresh(kind, model) for row, kind in (("plain", "none"), ("suffix", "suffix"))
+                for arm in ("constrained", "free")}
+    rows: list[dict[str, Any]] = []
     for i, (what, schema) in enumerate(prompts):
         keys = ", ".join(schema["properties"])
         ask = (f"Invent {what}. Reply with one line of JSON only, no code fence, no other text: an object with "
                f"the keys {keys}, in that order, written with ', ' and ': ' as separators.")
-        ids = model.encode(model.render([{"role": "user", "content": ask}]))
-        spec = GrammarSpec.json_schema(schema)
+        ids, spec = prompt_ids(model, ask), GrammarSpec.json_schema(schema)
         order = ["plain", "suffix"] if i % 2 == 0 else ["suffix", "plain"]
         out: dict[str, dict[str, Any]] = {}
         ref: list[int] = []
@@ -162,26 +155,21 @@ def speed(model: LocalModel, prompts: list[tuple[str, dict[str, Any]]], max_new:
                 out[f"{row}/{arm}"] = {**record(r), "same_as_constrained": r.token_ids == ref}
         valid = parse_valid(out["plain/constrained"]["text"], schema)
         rows.append({"prompt": i, "what": what, "order": order, "constrained_valid": valid, "runs": out})
-        print(f"speed {i}: {len(ref)} tokens, free output the same: {out['plain/free']['same_as_constrained']}, "
-              f"valid: {valid}")
+        print(f"speed {i}: {len(ref)} tokens, valid {valid}, free the same: {out['plain/free']['same_as_constrained']}")
     return rows
 
 
 def extract(model: LocalModel, texts: list[str], max_new: int) -> list[dict[str, Any]]:
     spec = GrammarSpec.json_schema(TICKET)
-    arms = {arm: build_decoder("suffix", model.engine, tokenizer=model.tokenizer, cache=SuffixCache())
-            for arm in ("A", "B")}
-    rows = []
+    arms = {arm: fresh("suffix", model) for arm in ("A", "B")}
+    rows: list[dict[str, Any]] = []
     for i, text in enumerate(texts):
         ask = ("You are the extraction agent of a support pipeline. Extract the ticket below into JSON matching "
                f"this JSON schema:\n{json.dumps(TICKET)}\nReply with the JSON only.\n\nTicket: {text}")
-        ids = model.encode(model.render([{"role": "user", "content": ask}]))
+        ids = prompt_ids(model, ask)
         out: dict[str, dict[str, Any]] = {}
         for arm in (["A", "B"] if i % 2 == 0 else ["B", "A"]):
-            if arm == "B":
-                with no_forced_drafts():
-                    r = run(model, arms[arm], ids, max_new, spec)
-            else:
+            with no_forced_drafts() if arm == "B" else nullcontext():
                 r = run(model, arms[arm], ids, max_new, spec)
             out[arm] = {**record(r), "ids": r.token_ids, "valid": parse_valid(r.text, TICKET)}
         same = out["A"].pop("ids") == out["B"].pop("ids")
@@ -189,31 +177,27 @@ def extract(model: LocalModel, texts: list[str], max_new: int) -> list[dict[str,
             print(f"!! extract item {i}: arm A and arm B outputs differ (greedy should be lossless)\n"
                   f"   A: {out['A']['text']!r}\n   B: {out['B']['text']!r}")
         rows.append({"item": i, "same": same, "arms": out})
-        print(f"extract {i}: A {out['A']['tok_per_verify']} tok/verify, B {out['B']['tok_per_verify']}, "
-              f"same: {same}, valid: {out['A']['valid']}/{out['B']['valid']}")
+        print(f"extract {i}: tok/verify A {out['A']['tok_per_verify']} B {out['B']['tok_per_verify']}, same {same}")
     return rows
 
 
 def summarize(speed_rows: list[dict[str, Any]], extract_rows: list[dict[str, Any]]) -> dict[str, Any]:
     summary: dict[str, Any] = {"speed": {}, "extract": {}}
     for row in ("plain", "suffix"):
-        con = [p["runs"][f"{row}/constrained"] for p in speed_rows]
         free = [p["runs"][f"{row}/free"] for p in speed_rows]
-        c, f = tok_s(con), tok_s(free)
+        c, f = tok_s([p["runs"][f"{row}/constrained"] for p in speed_rows]), tok_s(free)
         summary["speed"][row] = {"constrained_tok_s": round(c, 2), "free_tok_s": round(f, 2),
                                  "ratio": round(c / f, 3) if f else None,
                                  "same_share": round(sum(r["same_as_constrained"] for r in free) / len(free), 3)}
     for arm in ("A", "B"):
         recs = [item["arms"][arm] for item in extract_rows]
-        verify = sum(r["verify_ct"] for r in recs)
-        summary["extract"][arm] = {"tokens": sum(r["tokens"] for r in recs), "verify_ct": verify,
-                                   "tok_per_verify": round(sum(r["tokens"] for r in recs) / verify, 3),
+        tokens, verify = sum(r["tokens"] for r in recs), sum(r["verify_ct"] for r in recs)
+        summary["extract"][arm] = {"tokens": tokens, "verify_ct": verify, "tok_per_verify": round(tokens / verify, 3),
                                    "forced": sum(r["forced"] for r in recs), "tok_s": round(tok_s(recs), 2),
                                    "valid": sum(r["valid"] for r in recs)}
-    a, b = summary["extract"]["A"], summary["extract"]["B"]
-    summary["extract"]["ratio_A_B"] = round(a["tok_per_verify"] / b["tok_per_verify"], 3)
-    summary["extract"]["identical"] = sum(item["same"] for item in extract_rows)
-    summary["extract"]["items"] = len(extract_rows)
+    e = summary["extract"]
+    e.update(ratio_A_B=round(e["A"]["tok_per_verify"] / e["B"]["tok_per_verify"], 3), items=len(extract_rows),
+             identical=sum(item["same"] for item in extract_rows))
     return summary
 
 
@@ -241,16 +225,15 @@ def main() -> None:
     ap.add_argument("--out", default=str(RESULTS / "grammar_decoding.json"))
     args = ap.parse_args()
     n_prompts, n_items = (2, 2) if args.quick else (len(SPEED_PROMPTS), len(TICKETS))
-
+    load = os.getloadavg()
     model = LocalModel(args.model, dtype=args.dtype)
-    warm = build_decoder("none", model.engine, tokenizer=model.tokenizer)
-    run(model, warm, model.encode(model.render([{"role": "user", "content": "Say hi."}])), 8, None)  # warm-up
-
+    run(model, fresh("none", model), prompt_ids(model, "Say hi."), 8, None)  # warm-up
     speed_rows = speed(model, SPEED_PROMPTS[:n_prompts], args.max_new_tokens)
     extract_rows = extract(model, TICKETS[:n_items], args.max_new_tokens)
     summary = summarize(speed_rows, extract_rows)
     meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "model": args.model,
             "dtype": args.dtype, "quick": args.quick, "max_new_tokens": args.max_new_tokens,
+            "load_avg_before": load, "load_avg_after": os.getloadavg(),
             "torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.machine(),
             "cpu_flags": cpu_flags()}
     out = Path(args.out)

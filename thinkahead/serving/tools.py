@@ -254,6 +254,14 @@ def parse_json_output(text: str, fmt: ResponseFormat) -> str:
     fenced = _FENCE.match(stripped)
     if fenced:
         stripped = fenced.group(1)
+    try:  # the whole reply is one JSON value (any type: a schema's root need not be an object)
+        value, start, end = json.loads(stripped), 0, len(stripped)
+    except json.JSONDecodeError:
+        value = None
+        start = -1
+    if start == 0:
+        _check_json_value(value, fmt)
+        return stripped[start:end]
     starts = [i for i in (stripped.find("{"), stripped.find("[")) if i >= 0]
     if not starts:
         raise OutputError(f"the reply holds no JSON: {text[:200]!r}")
@@ -261,8 +269,12 @@ def parse_json_output(text: str, fmt: ResponseFormat) -> str:
         value, end = json.JSONDecoder().raw_decode(stripped, min(starts))
     except json.JSONDecodeError as exc:
         raise OutputError(f"the reply is not valid JSON: {exc}") from None
+    _check_json_value(value, fmt)
+    return stripped[min(starts):end]
+
+
+def _check_json_value(value: Any, fmt: ResponseFormat) -> None:
     if fmt.type == "json_object" and not isinstance(value, dict):
         raise OutputError(f"the reply must be a JSON object, got {type(value).__name__}")
     if fmt.type == "json_schema" and fmt.json_schema is not None and fmt.json_schema.schema_:
         check_schema(value, fmt.json_schema.schema_, "the reply's JSON")
-    return stripped[min(starts):end]
