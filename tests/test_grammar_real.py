@@ -99,12 +99,20 @@ def serve_module():
         thread.join(timeout=10)
 
 
-def test_the_readme_tool_call_has_valid_arguments(client):
+def test_the_readme_tool_round_trip(client):
+    """The README's example: a valid call, then a final answer that uses the tool's result."""
     c, model = client
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
     reply = c.chat.completions.create(model=model.name, tools=[WEATHER], temperature=0, max_tokens=64,
-                                      messages=[{"role": "user", "content": "What is the weather in Paris?"}])
+                                      messages=messages)
     [call] = reply.choices[0].message.tool_calls
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+    messages += [reply.choices[0].message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": "18 C, sunny"}]
+    final = c.chat.completions.create(model=model.name, tools=[WEATHER], temperature=0, max_tokens=64,
+                                      messages=messages).choices[0]
+    assert final.finish_reason == "stop" and final.message.tool_calls is None
+    assert "18" in final.message.content and "sunny" in final.message.content.lower()
 
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "multiply"}}])

@@ -84,9 +84,13 @@ def test_tools_are_rendered_by_the_models_own_chat_template(serve, tiny_model_di
     first_prompt, second_prompt = model.generated_prompts()
     assert first_prompt == tokenizer.apply_chat_template(ASK, tools=[WEATHER], tokenize=False, add_generation_prompt=True)
     assert first_prompt.startswith("<|system|>\n# Tools\n<tools>\n{") and first_prompt.endswith("<|assistant|>")
-    # the earlier call is rendered by the template with its arguments as an object, then the tool's result
+    # the earlier call is rendered by the template with its arguments as an object, then the tool's result,
+    # then the instruction to answer from it
+    from thinkahead.serving.chat import TOOL_RESULT_INSTRUCTION
+
     assert '<|assistant|>\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n' \
-           '<|user|>\n<tool_response>\n{"city": "Paris", "temp_c": 18}\n</tool_response>\n<|assistant|>' in second_prompt
+           '<|user|>\n<tool_response>\n{"city": "Paris", "temp_c": 18}\n</tool_response>\n' \
+           f'<|system|>\n{TOOL_RESULT_INSTRUCTION}\n<|assistant|>' in second_prompt
 
 
 def test_tool_choice_none_required_and_named(serve):
