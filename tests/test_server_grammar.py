@@ -138,3 +138,35 @@ def test_the_doubled_brace_tool_example_is_repaired():
     assert '{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n' in fixed
     assert fixed.startswith("{{- ") and fixed.endswith(" }}")  # Jinja's own braces untouched
     assert repaired_template(fixed) == fixed
+
+
+LLAMA3_TEMPLATE = (
+    "{%- if tools %}<|system|>Given the following functions, please respond with a JSON for a function call "
+    "with its proper arguments that best answers the given prompt.\nRespond in the format {\"name\": function "
+    "name, \"parameters\": dictionary of argument name and its value}.\n{% for t in tools %}{{ t | tojson }}\n"
+    "{% endfor %}{% endif %}{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}<|assistant|>")
+
+
+def test_a_llama3_json_template_gets_calls_in_its_own_format(serve):
+    """A template that asks for `{"name": ..., "parameters": {...}}` (Llama 3.1/3.2) gets calls in that
+    shape, from the grammar, returned as OpenAI tool_calls; with `auto` a reply opening with `{` is a call."""
+    from thinkahead.models.local import LocalModel
+    from thinkahead.serving.tool_grammar import tool_format
+
+    tokenizer = byte_tokenizer()
+    tokenizer.chat_template = LLAMA3_TEMPLATE
+    model = tiny_model("llama")
+    model.config.max_position_embeddings = 4096
+    local = LocalModel(model=model, tokenizer=tokenizer, name="llama3ish")
+    assert tool_format(tokenizer).name == "llama3-json"
+    spec = tool_call_grammar(tokenizer, {"add": ADD["function"]["parameters"]}, required=False)
+    c = local.grammars.constraint(spec)
+    call = '{"name": "add", "parameters": {"a": 1, "b": 2}}'
+    assert c.valid_prefix(tokenizer.encode(call)) == len(tokenizer.encode(call))
+    assert c.valid_prefix(tokenizer.encode('{"name": "add", "arguments"')) < len(tokenizer.encode('{"name": "add", "arguments"'))
+    client = openai_client(serve(create_app(small=local, large=local)))
+    reply = client.chat.completions.create(model="llama3ish", messages=ASK, tools=[ADD], tool_choice="required",
+                                           temperature=0, max_tokens=60)
+    [made] = reply.choices[0].message.tool_calls
+    assert made.function.name == "add"
+    jsonschema.validate(json.loads(made.function.arguments), ADD["function"]["parameters"])

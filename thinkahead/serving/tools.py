@@ -157,7 +157,7 @@ def parse_tool_calls(text: str, tools: dict[str, ToolDef], *, required: bool) ->
     for data in objects:
         if not isinstance(data, dict) or not isinstance(data.get("name"), str):
             raise OutputError(f'a tool call must be an object {{"name": ..., "arguments": {{...}}}}, got {data!r}'[:300])
-        name, arguments = data["name"], data.get("arguments", {})
+        name, arguments = data["name"], data.get("arguments", data.get("parameters", {}))  # Llama 3: "parameters"
         if isinstance(arguments, str):  # some models write the arguments as a JSON string
             try:
                 arguments = json.loads(arguments)
@@ -202,7 +202,8 @@ def _bare_call(text: str, tools: dict[str, ToolDef]) -> bool:
         data = json.loads(stripped)
     except json.JSONDecodeError:
         return False
-    return isinstance(data, dict) and set(data) == {"name", "arguments"} and data.get("name") in tools
+    return (isinstance(data, dict) and set(data) in ({"name", "arguments"}, {"name", "parameters"})
+            and data.get("name") in tools)
 
 
 def _valid_call(text: str, tools: dict[str, ToolDef]) -> bool:
@@ -210,13 +211,14 @@ def _valid_call(text: str, tools: dict[str, ToolDef]) -> bool:
     if not _bare_call(text, tools):
         return False
     data = json.loads(text)
+    arguments = data.get("arguments", data.get("parameters"))
     schema = tools[data["name"]].function.parameters
     try:
-        if schema and isinstance(data["arguments"], dict):
-            check_schema(data["arguments"], schema, "arguments")
+        if schema and isinstance(arguments, dict):
+            check_schema(arguments, schema, "arguments")
     except OutputError:
         return False
-    return isinstance(data["arguments"], dict)
+    return isinstance(arguments, dict)
 
 
 def check_schema(value: Any, schema: dict[str, Any], what: str) -> None:
