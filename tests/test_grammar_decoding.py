@@ -223,3 +223,43 @@ def test_a_committed_token_the_grammar_refuses_raises(tok, grammars):
         c.advance(tok.encode("}"))
     with pytest.raises(ValueError, match="roll back"):
         grammars.constraint(GrammarSpec.json_schema(SCHEMA)).rollback(1)
+
+
+def test_lazy_greedy_verification_equals_greedy_on_fully_masked_rows(tok, grammars):
+    """The decoder's greedy verification computes masks only on the rows it reaches; on random logits
+    (ties included) over chains and trees it accepts what `verify_greedy` accepts on rows masked in
+    full, and leaves the grammar where it was. (llguidance's mask is stricter than its token check:
+    after `{"name` the mask allows `":` but not `"`, which `validate_tokens` takes; the walk follows
+    the mask.)"""
+    from thinkahead.token_spec.constrained import masked, verify_greedy_constrained
+    from thinkahead.token_spec.verify import verify_greedy
+
+    spec = GrammarSpec.json_schema(SCHEMA)
+    g = torch.Generator().manual_seed(1)
+    texts = ['{"name": "ab", "ab": 1', '{"name": "', '{"name": "ab", "ab": 12, "ok": true, "tags": []}']
+    for trial in range(60):
+        c = grammars.constraint(spec)
+        head = tok.encode(texts[trial % len(texts)])
+        c.advance(head[: trial % len(head) + 1])
+        good = tok.encode(texts[trial % len(texts)])[trial % len(head) + 1:][:5] + [tok.eos_token_id]
+        if trial % 2:
+            draft = prune(c, Draft.chain(good))
+        else:  # a tree: the good chain plus a sibling at each depth
+            tokens, parents = [], []
+            for i, t in enumerate(good[:4]):
+                parents += [2 * i - 2 if i else -1] * 2
+                tokens += [t, int(torch.randint(3, VOCAB, (1,), generator=g))]
+            draft = prune(c, Draft(tokens, parents, [1.0] * len(tokens)))
+        logits = torch.randn(len(draft) + 1, VOCAB, generator=g).round()  # rounding makes ties
+        for r in range(len(draft)):  # most draft tokens made their row's argmax
+            if int(torch.randint(0, 3, (1,), generator=g)):
+                logits[draft.parents[r] + 1, draft.token_ids[r]] += 6.0
+        full = verify_greedy(masked(logits, row_masks(c, draft)), draft)
+        lazy = verify_greedy_constrained(logits, draft, c)
+        stopped = [i for i in full.accepted if draft.token_ids[i] in c.stop_ids]
+        if stopped:  # the lazy walk hands a stop token back as the bonus; the tokens are the same
+            k = full.accepted.index(stopped[0])
+            assert lazy.accepted == full.accepted[:k] and lazy.bonus == draft.token_ids[stopped[0]]
+        else:
+            assert (lazy.accepted, lazy.bonus) == (full.accepted, full.bonus)
+        assert c.consumed == trial % len(head) + 1

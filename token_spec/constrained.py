@@ -21,6 +21,7 @@ from typing import Any
 
 from thinkahead.token_spec.draft import Draft
 from thinkahead.token_spec.grammar import Constraint
+from thinkahead.token_spec.verify import Acceptance, children_of
 
 
 def path_of(parents: list[int], node: int) -> list[int]:
@@ -124,6 +125,39 @@ def row_masks(constraint: Constraint, draft: Draft) -> Any:
     return torch.stack(rows)
 
 
+def verify_greedy_constrained(logits: Any, draft: Draft, constraint: Constraint) -> Acceptance:
+    """Greedy verification under the grammar: what `verify_greedy` accepts on `masked(logits,
+    row_masks(...))`, walking the draft from the root and computing the grammar's mask only on the
+    rows the walk reaches (a row's masked argmax is its plain argmax wherever the mask allows that:
+    the first index of the maximum either way)."""
+    children = children_of(draft.parents)
+    argmax = logits.argmax(dim=-1).tolist()
+    accepted: list[int] = []
+    node, taken = -1, 0
+    try:
+        while True:
+            want = argmax[node + 1]
+            allowed = constraint.mask()
+            if want >= allowed.shape[-1] or not bool(allowed[want]):
+                if not bool(allowed.any()):
+                    raise ValueError("the grammar allows no token after the output so far")
+                row = logits[node + 1].float()
+                width = min(row.shape[-1], allowed.shape[-1])
+                row = row.clone()
+                row[width:] = float("-inf")
+                row[:width] = row[:width].masked_fill(~allowed[:width], float("-inf"))
+                want = int(row.argmax())
+            nxt = next((c for c in children.get(node, ()) if draft.token_ids[c] == want), None)
+            if nxt is None or want in constraint.stop_ids:  # a stop token ends the output: it is the bonus
+                return Acceptance(accepted, want)
+            accepted.append(nxt)
+            node = nxt
+            constraint.advance([want])
+            taken += 1
+    finally:
+        constraint.rollback(taken)
+
+
 def masked(logits: Any, masks: Any) -> Any:
     """`logits` with the tokens each row's mask forbids at -inf (a new tensor)."""
     vocab = min(logits.shape[-1], masks.shape[-1])
@@ -134,4 +168,4 @@ def masked(logits: Any, masks: Any) -> Any:
     return out
 
 
-__all__ = ["grammar_draft", "masked", "path_of", "prune", "row_masks"]
+__all__ = ["grammar_draft", "masked", "path_of", "prune", "row_masks", "verify_greedy_constrained"]

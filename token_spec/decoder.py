@@ -19,7 +19,7 @@ import time
 import torch
 
 from thinkahead.token_spec.controller import AdaptiveController, SpeculationController
-from thinkahead.token_spec.constrained import grammar_draft, masked, row_masks
+from thinkahead.token_spec.constrained import grammar_draft, masked, row_masks, verify_greedy_constrained
 from thinkahead.token_spec.draft import Draft
 from thinkahead.token_spec.drafters import Drafter
 from thinkahead.token_spec.grammar import Constraint
@@ -260,11 +260,15 @@ class SpeculativeDecoder:
         start = gen.session.length
         t0 = time.perf_counter()
         logits = self.engine.forward(gen.session, tokens, parents)
-        scored = logits if gen.constraint is None else masked(logits, row_masks(gen.constraint, draft))
-        if gen.sampling.greedy:
-            acceptance = verify_greedy(scored, draft)
+        if gen.constraint is not None and gen.sampling.greedy:
+            acceptance = verify_greedy_constrained(logits, draft, gen.constraint)
+        elif gen.constraint is not None:
+            acceptance = verify_sampling(masked(logits, row_masks(gen.constraint, draft)), draft, gen.sampling,
+                                         gen.generator)
+        elif gen.sampling.greedy:
+            acceptance = verify_greedy(logits, draft)
         else:
-            acceptance = verify_sampling(scored, draft, gen.sampling, gen.generator)
+            acceptance = verify_sampling(logits, draft, gen.sampling, gen.generator)
         self._rollback(gen.session, start, acceptance, tree)
         forward_s = time.perf_counter() - t0
         gen.verify_s += forward_s

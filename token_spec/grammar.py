@@ -190,7 +190,7 @@ class TokenGrammar:
         from llguidance import LLMatcher
 
         matcher = LLMatcher(self.llg_tokenizer, self.compile(spec), log_level=0, limits=_limits())
-        return Constraint(matcher, self.vocab_size, self.stop_ids, self.tokenizer)
+        return Constraint(matcher, self.vocab_size, self.stop_ids, self.tokenizer, self.llg_tokenizer.vocab_size)
 
 
 def _clean(message: str) -> str:
@@ -209,9 +209,10 @@ class Constraint:
     The model's stop tokens are the grammar's end tokens: allowed exactly where the output may end.
     """
 
-    def __init__(self, matcher: Any, vocab_size: int, stop_ids: frozenset[int], tokenizer: Any) -> None:
+    def __init__(self, matcher: Any, vocab_size: int, stop_ids: frozenset[int], tokenizer: Any, n_tokens: int) -> None:
         self._m = matcher
-        self.vocab_size = vocab_size
+        self.vocab_size = vocab_size  # the model's logits
+        self.n_tokens = n_tokens  # the tokenizer's ids (llguidance's vocabulary)
         self.stop_ids = stop_ids
         self.tokenizer = tokenizer
         self.consumed = 0  # tokens taken (and not rolled back)
@@ -238,8 +239,14 @@ class Constraint:
         return allowed
 
     def valid_prefix(self, tokens: Sequence[int]) -> int:
-        """How many of `tokens` the grammar takes from here (a stop token where the output may end)."""
-        return self._m.validate_tokens([int(t) for t in tokens]) if tokens else 0
+        """How many of `tokens` the grammar takes from here (a stop token where the output may end).
+        An id past the tokenizer's vocabulary (a model's logits may be wider) is never taken."""
+        ids = []
+        for t in tokens:
+            if not 0 <= t < self.n_tokens:
+                break
+            ids.append(int(t))
+        return self._m.validate_tokens(ids) if ids else 0
 
     def forced(self, limit: int) -> list[int]:
         """Tokens the grammar forces from here (at most `limit`): its forced bytes as the tokenizer
