@@ -420,3 +420,22 @@ def test_aclose_from_another_event_loop_drops_the_old_client(server):
     completion = asyncio.run(model.generate(GenerationRequest(prompt="hi", max_new_tokens=4)))
     assert completion.text == "Hello world"
     asyncio.run(model.aclose())
+
+
+def test_a_json_schema_grammar_goes_as_response_format_and_a_server_that_refuses_it_is_remembered(
+        server: FakeOpenAIServer) -> None:
+    from thinkahead.token_spec.grammar import GrammarError, GrammarSpec
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    model = make_model(server)
+    assert not model.grammar_guaranteed  # a server's output is still checked by the caller
+    server.responder = lambda p: '{"a": 1}'
+    run_model(model, lambda m: m.generate(GenerationRequest(prompt="hi", grammar=GrammarSpec.json_schema(schema))))
+    assert server.requests[-1]["response_format"] == {"type": "json_schema", "json_schema": {
+        "name": "output", "schema": schema, "strict": True}}  # the schema as given, without llguidance's style key
+    with pytest.raises(GrammarError, match="regex grammar cannot be enforced"):
+        run_model(model, lambda m: m.generate(GenerationRequest(prompt="hi", grammar=GrammarSpec.regex("a+"))))
+    server.faults.append("400")  # a server that does not take response_format on completions
+    out = run_model(model, lambda m: m.generate(GenerationRequest(prompt="hi", grammar=GrammarSpec.json_schema(schema))))
+    assert out.text == '{"a": 1}' and "response_format" not in server.requests[-1]
+    assert model.grammar_kinds == ()  # from now on its replies are checked and repaired instead

@@ -12,6 +12,7 @@ SGLang itself does not install here (CUDA builds only), so everything runs again
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import time
 from collections.abc import Iterator
@@ -156,3 +157,22 @@ def test_100_concurrent_requests_share_one_pool(server: FakeSGLangServer) -> Non
     assert [o.text for o in outs] == [f"echo p{i}" for i in range(100)]
     assert server.max_in_flight == 100
     assert server.connections <= 101
+
+
+def test_a_grammar_goes_to_sglangs_own_constrained_decoding(server: FakeSGLangServer) -> None:
+    """JSON schema, regex and EBNF travel as SGLang's `sampling_params` fields (xgrammar enforces them
+    there); a Lark grammar has no SGLang field and is refused by name before any request."""
+    from thinkahead.token_spec.grammar import GrammarError, GrammarSpec
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    model = make_model(server)
+    for spec, field, sent in [(GrammarSpec.json_schema(schema), "json_schema", schema),
+                              (GrammarSpec.regex("[ab]+"), "regex", "[ab]+"),
+                              (GrammarSpec.ebnf('root ::= "yes" | "no"'), "ebnf", 'root ::= "yes" | "no"')]:
+        run_model(model, lambda m: m.generate(GenerationRequest(prompt="hi", max_new_tokens=4, grammar=spec)))
+        value = generate_bodies(server)[-1]["sampling_params"][field]
+        assert (json.loads(value) if field == "json_schema" else value) == sent
+    before = len(generate_bodies(server))
+    with pytest.raises(GrammarError, match="lark grammar cannot be enforced"):
+        run_model(model, lambda m: m.generate(GenerationRequest(prompt="hi", grammar=GrammarSpec.lark("start: /a+/"))))
+    assert len(generate_bodies(server)) == before

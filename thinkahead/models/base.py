@@ -287,6 +287,9 @@ class LanguageModel(abc.ABC):
 
     #: the `GrammarSpec` kinds this backend enforces while it decodes (none by default)
     grammar_kinds: tuple[str, ...] = ()
+    #: whether its outputs under a grammar need no checking (True only where our own decoder enforces
+    #: it; a remote server's are checked and repaired like unconstrained ones)
+    grammar_guaranteed: bool = False
 
     def check_grammar(self, spec: GrammarSpec) -> None:
         """Refuse `spec` now, by its field, where this backend cannot enforce it or it does not compile."""

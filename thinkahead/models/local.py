@@ -150,6 +150,7 @@ class LocalModel(LanguageModel):
         return len(self.encode(text))
 
     grammar_kinds = GRAMMAR_KINDS
+    grammar_guaranteed = True
 
     def check_grammar(self, spec: GrammarSpec) -> None:
         self.grammars.compile(spec)

@@ -13,6 +13,7 @@ Transport, retries and errors come from `thinkahead.models.http.HttpClient`.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -29,6 +30,8 @@ from thinkahead.models.base import (
 )
 from thinkahead.models.http import DEFAULT_CALL_TIMEOUT_S, HttpClient, ModelServerError, bearer_headers
 from thinkahead.token_spec.grammar import plain_schema
+
+log = logging.getLogger(__name__)
 
 
 class OpenAIModel(LanguageModel):
@@ -107,7 +110,17 @@ class OpenAIModel(LanguageModel):
             payload["response_format"] = {"type": "json_schema", "json_schema": {
                 "name": "output", "schema": plain_schema(request.grammar), "strict": True}}
         start = time.perf_counter()
-        reply = await self.client.post_json("/completions", payload)
+        try:
+            reply = await self.client.post_json("/completions", payload)
+        except ModelServerError as exc:
+            if exc.status != 400 or "response_format" not in payload:
+                raise
+            # a server that does not take `response_format` on completions: from now on this model
+            # enforces no grammar (callers check and repair its replies), and this request goes again
+            log.info("%s refused response_format (%s); its replies are checked instead", self.model, exc)
+            self.grammar_kinds = ()
+            del payload["response_format"]
+            reply = await self.client.post_json("/completions", payload)
         elapsed = time.perf_counter() - start
         choice = self._first_choice(reply)
         text = choice.get("text")
