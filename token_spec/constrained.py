@@ -16,12 +16,30 @@ what it took.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from thinkahead.token_spec.draft import Draft
 from thinkahead.token_spec.grammar import Constraint
 from thinkahead.token_spec.verify import Acceptance, children_of
+
+
+@contextmanager
+def _given_back(constraint: Constraint) -> Iterator[list[int]]:
+    """A walk's count of tokens taken (`taken[0]`), rolled back when it ends. Where the walk failed, its
+    own error is the one raised: a matcher in error cannot roll back (a GrammarError became a
+    ValueError, a 500 where the request's grammar was at fault)."""
+    taken = [0]
+    try:
+        yield taken
+    except BaseException:
+        try:
+            constraint.rollback(taken[0])
+        except ValueError:
+            pass
+        raise
+    constraint.rollback(taken[0])
 
 
 def path_of(parents: list[int], node: int) -> list[int]:
@@ -102,24 +120,25 @@ def row_masks(constraint: Constraint, draft: Draft) -> Any:
     rows = [constraint.mask()]
     if not bool(rows[0].any()):
         raise ValueError("the grammar allows no token after the output so far")
-    if draft.is_chain:
-        taken = 0
-        for t in draft.token_ids:
-            if t in constraint.stop_ids:
-                break
-            constraint.advance([t])
-            taken += 1
-            rows.append(constraint.mask())
-        constraint.rollback(taken)
-    else:
-        for i in range(len(draft)):
-            path = [draft.token_ids[j] for j in path_of(draft.parents, i)]
-            if any(t in constraint.stop_ids for t in path):
-                rows.append(torch.ones_like(rows[0]))
-                continue
-            constraint.advance(path)
-            rows.append(constraint.mask())
-            constraint.rollback(len(path))
+    with _given_back(constraint) as taken:
+        if draft.is_chain:
+            for t in draft.token_ids:
+                if t in constraint.stop_ids:
+                    break
+                constraint.advance([t])
+                taken[0] += 1
+                rows.append(constraint.mask())
+        else:
+            for i in range(len(draft)):
+                path = [draft.token_ids[j] for j in path_of(draft.parents, i)]
+                if any(t in constraint.stop_ids for t in path):
+                    rows.append(torch.ones_like(rows[0]))
+                    continue
+                constraint.advance(path)
+                taken[0] += len(path)
+                rows.append(constraint.mask())
+                constraint.rollback(len(path))
+                taken[0] -= len(path)
     while len(rows) < len(draft) + 1:
         rows.append(torch.ones_like(rows[0]))
     return torch.stack(rows)
@@ -133,8 +152,8 @@ def verify_greedy_constrained(logits: Any, draft: Draft, constraint: Constraint)
     children = children_of(draft.parents)
     argmax = logits.argmax(dim=-1).tolist()
     accepted: list[int] = []
-    node, taken = -1, 0
-    try:
+    node = -1
+    with _given_back(constraint) as taken:
         while True:
             want = argmax[node + 1]
             allowed = constraint.mask()
@@ -153,9 +172,7 @@ def verify_greedy_constrained(logits: Any, draft: Draft, constraint: Constraint)
             accepted.append(nxt)
             node = nxt
             constraint.advance([want])
-            taken += 1
-    finally:
-        constraint.rollback(taken)
+            taken[0] += 1
 
 
 def masked(logits: Any, masks: Any) -> Any:

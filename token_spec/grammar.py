@@ -35,12 +35,19 @@ JSON_STYLE: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ",
 
 
 class GrammarError(ValueError):
-    """A grammar that cannot constrain decoding; `field` names where it came from (a request parameter)."""
+    """A grammar that cannot constrain decoding; `field` names where it came from (a request parameter).
+    Raised on compiling, and while decoding where the grammar cannot be followed (a schema whose every
+    output is infinite exhausts llguidance's limits; a grammar needing bytes the vocabulary lacks)."""
 
     def __init__(self, message: str, field: str = "grammar") -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
         self.reason = message
+
+
+class TokenizerUnsupported(GrammarError):
+    """The model's tokenizer cannot take a grammar at all (llguidance reads fast tokenizers only): the
+    model, not the request, is at fault; a caller may decode without the grammar instead."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +66,11 @@ class GrammarSpec:
             raise GrammarError("the grammar is empty", self.field)
         if len(self.source) > MAX_SOURCE_CHARS:
             raise GrammarError(f"the grammar is {len(self.source)} characters; at most {MAX_SOURCE_CHARS}", self.field)
+        try:
+            self.source.encode("utf-8")
+        except UnicodeEncodeError as exc:  # a lone surrogate ("\ud800" in a request's JSON): llguidance takes UTF-8
+            raise GrammarError(f"the grammar holds text that is not valid Unicode ({exc.reason}: "
+                               f"{self.source[exc.start:exc.end]!a})", self.field) from None
 
     @classmethod
     def json_schema(cls, schema: dict[str, Any] | bool, field: str = "json_schema") -> GrammarSpec:
@@ -86,10 +98,12 @@ class GrammarSpec:
 
 
 def styled_schema(schema: dict[str, Any] | bool) -> dict[str, Any]:
-    """`schema` with this module's JSON style (`JSON_STYLE`) set, as llguidance reads it (`x-guidance`)."""
+    """`schema` with this module's JSON style (`JSON_STYLE`) set, as llguidance reads it (`x-guidance`).
+    A client's own `x-guidance` is replaced: its options (`lenient` ignores the keywords llguidance lacks)
+    would let through outputs the schema refuses, and a non-object there broke the merge."""
     if isinstance(schema, bool):
         schema = {} if schema else {"not": {}}
-    return {**schema, "x-guidance": {**schema.get("x-guidance", {}), **JSON_STYLE}}
+    return {**schema, "x-guidance": dict(JSON_STYLE)}
 
 
 def plain_schema(spec: GrammarSpec) -> dict[str, Any]:
@@ -113,15 +127,16 @@ def _llguidance_text(spec: GrammarSpec) -> str:
     """The llguidance grammar of `spec` (not yet checked)."""
     from llguidance import LLMatcher
 
-    if spec.kind == "json_schema":
-        try:
+    try:
+        if spec.kind == "json_schema":
             return LLMatcher.grammar_from_json_schema(spec.source)
-        except ValueError as exc:
-            raise GrammarError(f"not a JSON schema: {exc}", spec.field) from None
-    if spec.kind == "regex":
-        return LLMatcher.grammar_from_regex(spec.source)
-    if spec.kind == "lark":
-        return LLMatcher.grammar_from_lark(spec.source)
+        if spec.kind == "regex":
+            return LLMatcher.grammar_from_regex(spec.source)
+        if spec.kind == "lark":
+            return LLMatcher.grammar_from_lark(spec.source)
+    except (ValueError, TypeError) as exc:  # UnicodeError is a ValueError
+        what = "not a JSON schema" if spec.kind == "json_schema" else f"not a {spec.kind} grammar"
+        raise GrammarError(f"{what}: {_clean(str(exc))}", spec.field) from None
     from llguidance.gbnf_to_lark import any_to_lark
 
     try:
@@ -143,12 +158,15 @@ class TokenGrammar:
         self.stop_ids = frozenset(int(t) for t in stop_ids)
         self._lock = threading.Lock()
         self._llt: Any = None
+        self._llt_error: TokenizerUnsupported | None = None  # kept: a tokenizer that failed is not tried again
         self._compiled: OrderedDict[GrammarSpec, str] = OrderedDict()
 
     @property
     def llg_tokenizer(self) -> Any:
         """llguidance's view of the tokenizer (built once, about a second for a 150k vocabulary)."""
         with self._lock:
+            if self._llt_error is not None:
+                raise self._llt_error
             if self._llt is None:
                 import llguidance.hf
 
@@ -156,8 +174,10 @@ class TokenGrammar:
                 ends = sorted(self.stop_ids) or ([eos] if isinstance(eos, int) else [])
                 try:
                     self._llt = llguidance.hf.from_tokenizer(self.tokenizer, eos_token=ends or None)
-                except ValueError as exc:
-                    raise GrammarError(f"this model's tokenizer cannot take a grammar: {exc}", "model") from None
+                except Exception as exc:  # noqa: BLE001 - ValueError for a slow tokenizer, others from its JSON
+                    self._llt_error = TokenizerUnsupported(
+                        f"this model's tokenizer cannot take a grammar: {_clean(str(exc))}", "model")
+                    raise self._llt_error from None
             return self._llt
 
     def compile(self, spec: GrammarSpec) -> str:
@@ -190,7 +210,8 @@ class TokenGrammar:
         from llguidance import LLMatcher
 
         matcher = LLMatcher(self.llg_tokenizer, self.compile(spec), log_level=0, limits=_limits())
-        return Constraint(matcher, self.vocab_size, self.stop_ids, self.tokenizer, self.llg_tokenizer.vocab_size)
+        return Constraint(matcher, self.vocab_size, self.stop_ids, self.tokenizer, self.llg_tokenizer.vocab_size,
+                          field=spec.field)
 
 
 def _clean(message: str) -> str:
@@ -209,8 +230,10 @@ class Constraint:
     The model's stop tokens are the grammar's end tokens: allowed exactly where the output may end.
     """
 
-    def __init__(self, matcher: Any, vocab_size: int, stop_ids: frozenset[int], tokenizer: Any, n_tokens: int) -> None:
+    def __init__(self, matcher: Any, vocab_size: int, stop_ids: frozenset[int], tokenizer: Any, n_tokens: int,
+                 field: str = "grammar") -> None:
         self._m = matcher
+        self.field = field  # the request field of its grammar: a grammar that cannot be followed names it
         self.vocab_size = vocab_size  # the model's logits
         self.n_tokens = n_tokens  # the tokenizer's ids (llguidance's vocabulary)
         self.stop_ids = stop_ids
@@ -230,7 +253,7 @@ class Constraint:
 
         bits = np.unpackbits(np.frombuffer(self._m.compute_bitmask(), dtype=np.uint8), bitorder="little")
         if self._m.is_error():
-            raise ValueError(f"the grammar cannot go on from here: {_clean(self._m.get_error())}")
+            raise GrammarError(f"the grammar cannot go on from here: {_clean(self._m.get_error())}", self.field)
         n = min(self.vocab_size, bits.size)
         if n == self.vocab_size:
             return torch.from_numpy(bits[:n].view(np.bool_).copy())
@@ -277,7 +300,7 @@ class Constraint:
                 break
             body.append(int(t))
         if body and not self._m.consume_tokens(body):
-            raise ValueError(f"the grammar refused committed tokens {body!r}: {_clean(self._m.get_error())}")
+            raise GrammarError(f"the grammar refused tokens {body!r}: {_clean(self._m.get_error())}", self.field)
         self.consumed += len(body)
 
     def rollback(self, n: int) -> None:
@@ -290,4 +313,4 @@ class Constraint:
 
 
 __all__ = ["CACHED_GRAMMARS", "Constraint", "GRAMMAR_KINDS", "GrammarError", "GrammarSpec", "JSON_STYLE",
-           "TokenGrammar", "plain_schema", "styled_schema"]
+           "TokenGrammar", "TokenizerUnsupported", "plain_schema", "styled_schema"]

@@ -15,6 +15,7 @@ can be checked (a JSON `response_format`, or tools) is sent when it is generated
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -30,8 +31,14 @@ from thinkahead.serving.tools import (
     OutputError, answered_calls, call_key, ParsedCall, forced_prefix, json_instruction, parse_json_output, parse_tool_calls, render_prompt,
     schema_problem, tool_dicts,
 )
-from thinkahead.token_spec.grammar import GrammarError, GrammarSpec
+from thinkahead.token_spec.grammar import GrammarError, GrammarSpec, TokenizerUnsupported
 from thinkahead.token_spec.stats import SPEC_COUNTERS, SpecStats
+
+log = logging.getLogger(__name__)
+try:  # what a chat template's raise_exception raises (no ValueError)
+    from jinja2 import TemplateError
+except ImportError:  # pragma: no cover - jinja2 comes with transformers' chat templates
+    TemplateError = ValueError  # type: ignore[assignment,misc]
 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default when a request gives none
 # After tool results, as the last message: small models otherwise often repeat the call they made
@@ -106,6 +113,10 @@ class ChatJob:
         if req.logprobs and not can_score(model):
             raise unsupported("logprobs", f"by model {model.name!r} (its backend cannot score tokens)")
         self.tools = {t.function.name: t for t in req.tools or []}
+        for name, tool in self.tools.items():  # checked now: a call's arguments are checked against it
+            if tool.function.parameters and (problem := schema_problem(tool.function.parameters)):
+                raise RequestError(400, f"the parameters of tool {name!r} are not a valid JSON schema: {problem}",
+                                   param="tools")
         choice = req.tool_choice if req.tool_choice is not None else ("auto" if self.tools else "none")
         if choice in ("required", "auto") and not self.tools and req.tool_choice is not None:
             raise RequestError(400, f"tool_choice {choice!r} needs 'tools'", param="tool_choice")
@@ -127,6 +138,8 @@ class ChatJob:
                                    param="response_format")
         self.fmt = fmt
         self.grammar = self._grammar(model)  # enforced while decoding, where the model can
+        # valid by construction (no repair): only where our own decoder enforced it, not a remote server
+        self.guaranteed = self.grammar is not None and model.grammar_guaranteed
         messages = list(req.messages)
         if fmt is not None:
             instruction = json_instruction(fmt)
@@ -141,8 +154,13 @@ class ChatJob:
         self.prefix = forced_prefix(choice) if self.rendered_tools and self.grammar is None else ""
         try:
             self.prompt = self._render(messages)
-        except ValueError as exc:  # e.g. a template that refuses this order of roles
+        except (ValueError, TemplateError) as exc:  # e.g. a template that refuses this order of roles
             raise RequestError(400, f"the messages cannot be rendered for {model.name!r}: {exc}", param="messages") from None
+        try:
+            self.prompt.encode("utf-8")
+        except UnicodeEncodeError as exc:  # a lone surrogate ("\ud800" in the request's JSON): no tokenizer takes it
+            raise RequestError(400, f"the messages hold text that is not valid Unicode ({exc.reason})",
+                               param="messages") from None
         self.prompt_tokens = model.count_tokens(self.prompt)
         room = check_context(self.prompt_tokens, req.max_new, model.context_length, max_param=req.max_param)
         self.max_new = req.max_new or (default_max_tokens if room is None else min(default_max_tokens, room))
@@ -162,22 +180,26 @@ class ChatJob:
     def _grammar(self, model: LanguageModel) -> GrammarSpec | None:
         """The grammar of this request's reply (a JSON format, or calls to its tools) where `model`
         enforces it while decoding, else None (then the reply is checked and repaired afterwards)."""
-        if self.fmt is not None:
-            schema = self.fmt.json_schema.schema_ if self.fmt.json_schema is not None else None
-            spec = (GrammarSpec.json_schema(schema, "response_format.json_schema.schema") if schema
-                    else GrammarSpec.json_object("response_format"))
-        elif self.rendered_tools and getattr(model, "tokenizer", None) is not None:
-            tools = self.tools
-            if isinstance(self.tool_choice, NamedToolChoice):
-                tools = {self.tool_choice.function.name: tools[self.tool_choice.function.name]}
-            spec = tool_call_grammar(model.tokenizer, {n: t.function.parameters for n, t in tools.items()},
-                                     required=self.required, parallel=self.req.parallel_tool_calls is not False)
-        else:
-            return None
-        if spec.kind not in model.grammar_kinds:
-            return None
+        kinds = model.grammar_kinds
         try:
+            if self.fmt is not None and "json_schema" in kinds:
+                schema = self.fmt.json_schema.schema_ if self.fmt.json_schema is not None else None
+                spec = (GrammarSpec.json_schema(schema, "response_format.json_schema.schema") if schema
+                        else GrammarSpec.json_object("response_format"))
+            elif self.fmt is None and self.rendered_tools and "lark" in kinds and getattr(model, "tokenizer", None):
+                tools = self.tools
+                if isinstance(self.tool_choice, NamedToolChoice):
+                    tools = {self.tool_choice.function.name: tools[self.tool_choice.function.name]}
+                spec = tool_call_grammar(model.tokenizer, {n: t.function.parameters for n, t in tools.items()},
+                                         required=self.required, parallel=self.req.parallel_tool_calls is not False)
+            else:
+                return None
+            if spec.kind not in kinds:
+                return None
             model.check_grammar(spec)
+        except TokenizerUnsupported as exc:  # the model's fault, not the request's: checked and repaired instead
+            log.info("%s decodes without a grammar: %s", model.name, exc.reason)
+            return None
         except GrammarError as exc:
             raise RequestError(400, str(exc), param=exc.field) from None
         return spec
@@ -193,7 +215,8 @@ class ChatJob:
 
     def _request(self, prompt: str, index: int, grammar: GrammarSpec | None = None) -> GenerationRequest:
         request = sampled_request(self.req, prompt, self.max_new, index, request_id=f"chat-{uuid.uuid4().hex[:12]}")
-        request.grammar = grammar
+        # only while the model still enforces it (a remote server that refused it stops enforcing any)
+        request.grammar = grammar if grammar is not None and grammar.kind in self.model.grammar_kinds else None
         return request
 
     def repeats_answered(self, calls: list[ParsedCall]) -> bool:
@@ -203,7 +226,11 @@ class ChatJob:
                 and all(call_key(c.name, c.arguments) in self.answered for c in calls))
 
     async def _generate(self, prompt: str, index: int, grammar: GrammarSpec | None = None) -> Completion:
-        completion = await self.model.generate(self._request(prompt, index, grammar))
+        try:
+            completion = await self.model.generate(self._request(prompt, index, grammar))
+        except GrammarError as exc:  # one that compiled but cannot be followed (a schema with no finite output)
+            raise RequestError(400, f"{exc.field}: the grammar cannot be followed while decoding: {exc.reason}",
+                               param=exc.field) from None
         self.spent.add(completion)
         return completion
 
@@ -233,11 +260,16 @@ class ChatJob:
                 return Choice(index, text, [], "length", await self._logprobs(prompt, completion),
                               completion.completion_tokens, attempts)
             try:
-                content, calls = self._check(text)
-                if grammar is ANSWER_GRAMMAR:
-                    content, calls = text, []  # the answer after a repeated call is text, whatever it holds
+                # the answer after a repeated call is text, whatever it holds
+                content, calls = (text, []) if grammar is ANSWER_GRAMMAR else self._check(text)
             except OutputError as exc:
-                if attempts > self.repair_attempts or self.grammar is not None:  # a grammar: valid by construction
+                as_text = completion.matched_stop is not None or (self.rendered_tools and not self.required)
+                if self.guaranteed and as_text:
+                    # the client's stop string cut the reply, or "auto" text the grammar read as text
+                    # (a bare call with bad arguments): returned as it is, as a reply that max_tokens cut
+                    return Choice(index, text, [], "stop", await self._logprobs(prompt, completion),
+                                  completion.completion_tokens, attempts)
+                if attempts > self.repair_attempts or self.guaranteed:  # a grammar: valid by construction
                     raise RequestError(
                         500, f"the model's reply did not fit the request after {attempts} attempts: {exc}",
                         type="server_error", code="invalid_model_output") from None

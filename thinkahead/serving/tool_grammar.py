@@ -7,10 +7,14 @@ Formats (`TOOL_FORMATS`, chosen from the chat template by `tool_format`):
   `<tool_call>` as one token the grammar names that token; elsewhere the tag is text, found lazily.
 - `llama3-json` (Llama 3.1/3.2's JSON tool calling): the reply is `{"name": ..., "parameters": {...}}`.
 
-- `auto`: free text (no special tokens: they never reach content) until the model opens a call;
-  from there the call follows the grammar (llama3-json: a reply opening with `{` is a call).
+- `auto`: free text (no special tokens: they never reach content; never `<tool_call>` as text, which
+  the parser would read as a call the grammar did not check) until the model opens a call; from there
+  the call follows the grammar (llama3-json: a reply opening with `{` is a call).
 - `required` and a named tool: the reply is calls only, from its first token (the opener is
   forced, so the decoder drafts it for free); one call where `parallel_tool_calls` is false.
+
+A tool's parameters move into the call's schema; their document-local `$ref`s ("#/$defs/Item", as
+Pydantic writes them) are rebased to where they now stand (`rebased`).
 """
 
 from __future__ import annotations
@@ -52,17 +56,51 @@ def tool_format(tokenizer: Any) -> ToolFormat:
             if any(mark in template for mark in fmt.marks):
                 return fmt
     return HERMES
+
+
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
+# Free text never holds the opener as text: the parser would read a call there that the grammar did not
+# constrain (a special-token opener's text, or any text in a format without tags).
+NO_OPENER = f"~/(.|\\n)*{CALL_OPEN}(.|\\n)*/"
 # A reply in words: no call, no special token, not opening with JSON or a code fence (the forms a
 # call takes when a model writes one as text).
-ANSWER_GRAMMAR = GrammarSpec.lark("start: /[^{`\\s](.|\\n)*/", field="tools")
+ANSWER_GRAMMAR = GrammarSpec.lark(f"start: ANSWER\nANSWER: /[^{{`\\s](.|\\n)*/ & {NO_OPENER}\n", field="tools")
+# Keywords whose values are data, not schemas (a "$ref" key there is no reference), and those whose
+# values map names to schemas (a property may be named "$ref").
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+_NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+
+
+def rebased(schema: Any, base: str) -> Any:
+    """`schema` as it reads when placed at JSON pointer `base` ("#/properties/arguments") of a bigger
+    schema: its document-local references ("#", "#/$defs/Item", as Pydantic writes them) point there."""
+    if isinstance(schema, list):
+        return [rebased(item, base) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            out[key] = base + value[1:]
+        elif key in _DATA_KEYWORDS:
+            out[key] = value
+        elif key in _NAMED_SCHEMAS and isinstance(value, dict):
+            out[key] = {name: rebased(sub, base) for name, sub in value.items()}
+        else:
+            out[key] = rebased(value, base)
+    return out
 
 
 def call_schema(tools: Mapping[str, dict[str, Any] | None], arguments_key: str = "arguments") -> dict[str, Any]:
-    """`{"name": <a tool>, "arguments": <its parameters>}`, one branch per tool, in this key order."""
-    branches = [{"type": "object", "properties": {"name": {"const": name}, arguments_key: params or ANY_OBJECT},
-                 "required": ["name", arguments_key], "additionalProperties": False} for name, params in tools.items()]
-    return styled_schema(branches[0] if len(branches) == 1 else {"anyOf": branches})
+    """`{"name": <a tool>, "arguments": <its parameters>}`, one branch per tool, in this key order; each
+    tool's references rebased to where its parameters now stand."""
+    one = len(tools) == 1
+    branches = [{"type": "object", "properties": {
+        "name": {"const": name},
+        arguments_key: rebased(params, f"#{'' if one else f'/anyOf/{i}'}/properties/{arguments_key}") or ANY_OBJECT},
+        "required": ["name", arguments_key], "additionalProperties": False}
+        for i, (name, params) in enumerate(tools.items())]
+    return styled_schema(branches[0] if one else {"anyOf": branches})
 
 
 def _is_token(tokenizer: Any, text: str) -> bool:
@@ -82,8 +120,8 @@ def tool_call_grammar(tokenizer: Any, tools: Mapping[str, dict[str, Any] | None]
     fmt = tool_format(tokenizer)
     if not fmt.tagged:
         call = f"%json {json.dumps(call_schema(tools, fmt.arguments_key), ensure_ascii=False)}"
-        lark = f"%llguidance {{}}\nstart: {call}" + ("" if required else " | /[^{\\s](.|\\n)*/") + "\n"
-        return GrammarSpec.lark(lark, field=field)
+        text = "" if required else f" | TEXT\nTEXT: /[^{{\\s](.|\\n)*/ & {NO_OPENER}"
+        return GrammarSpec.lark(f"%llguidance {{}}\nstart: {call}{text}\n", field=field)
     body = f'"\\n" %json {json.dumps(call_schema(tools), ensure_ascii=False)} "\\n"'
     special = _is_token(tokenizer, CALL_OPEN) and _is_token(tokenizer, CALL_CLOSE)
     close = CALL_CLOSE if special else json.dumps(CALL_CLOSE)
@@ -93,7 +131,7 @@ def tool_call_grammar(tokenizer: Any, tools: Mapping[str, dict[str, Any] | None]
         lark = f"%llguidance {{}}\nstart: {calls}\ncall: {opener} {body} {close}\n"
     elif special:
         lark = (f"%llguidance {{}}\nstart: call* TEXT\ncall: TEXT {CALL_OPEN} {body} {close}\n"
-                "TEXT: /(.|\\n)*/\n")
+                f"TEXT: /(.|\\n)*/ & {NO_OPENER}\n")
     else:
         lark = (f"%llguidance {{}}\nstart: call* TEXT\nopen[lazy]: TEXT {json.dumps(CALL_OPEN)}\n"
                 f"call: open {body} {close}\nTEXT: /(.|\\n)*/\n")
@@ -101,4 +139,4 @@ def tool_call_grammar(tokenizer: Any, tools: Mapping[str, dict[str, Any] | None]
 
 
 __all__ = ["ANSWER_GRAMMAR", "CALL_CLOSE", "CALL_OPEN", "HERMES", "TOOL_FORMATS", "ToolFormat", "call_schema",
-           "tool_call_grammar", "tool_format"]
+           "rebased", "tool_call_grammar", "tool_format"]

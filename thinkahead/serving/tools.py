@@ -10,6 +10,7 @@ turn with `<tool_call>` (and the name): the model can only go on with a call.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from dataclasses import dataclass
@@ -224,11 +225,46 @@ def _valid_call(text: str, tools: dict[str, ToolDef]) -> bool:
 def check_schema(value: Any, schema: dict[str, Any], what: str) -> None:
     import jsonschema
 
+    cls = jsonschema.validators.validator_for(schema)
+    cls.check_schema(schema)  # as jsonschema.validate: a SchemaError for a schema that is none
+    error = jsonschema.exceptions.best_match(_exact_validator(cls)(schema).iter_errors(value))
+    if error is not None:
+        where = "/".join(str(p) for p in error.absolute_path)
+        raise OutputError(f"{what} do not fit the schema{' at ' + where if where else ''}: {error.message}")
+
+
+def _multiple_of(validator: Any, divisor: Any, instance: Any, schema: Any) -> Any:
+    """`multipleOf` in decimal: jsonschema divides floats (19.99 is no multiple of 0.01 there, while the
+    grammar, and everyone reading the JSON, takes it)."""
+    import math
+    from decimal import Decimal, InvalidOperation, localcontext
+
+    from jsonschema import ValidationError
+    from jsonschema._keywords import multipleOf
+
+    if (not validator.is_type(instance, "number") or isinstance(divisor, bool)
+            or not isinstance(divisor, (int, float)) or not divisor > 0):
+        yield from multipleOf(validator, divisor, instance, schema)
+        return
+    if isinstance(instance, float) and not math.isfinite(instance):  # jsonschema's check raises on these
+        yield ValidationError(f"{instance!r} is not a multiple of {divisor}")
+        return
     try:
-        jsonschema.validate(value, schema)
-    except jsonschema.ValidationError as exc:
-        where = "/".join(str(p) for p in exc.absolute_path)
-        raise OutputError(f"{what} do not fit the schema{' at ' + where if where else ''}: {exc.message}") from None
+        with localcontext() as ctx:
+            ctx.prec = 1000  # every finite float's quotient is exact at this precision
+            failed = Decimal(repr(instance)) % Decimal(repr(divisor)) != 0
+    except (InvalidOperation, ValueError):  # a longer integer: jsonschema's own (exact for integers)
+        yield from multipleOf(validator, divisor, instance, schema)
+        return
+    if failed:
+        yield ValidationError(f"{instance!r} is not a multiple of {divisor}")
+
+
+@functools.cache
+def _exact_validator(cls: Any) -> Any:
+    import jsonschema
+
+    return jsonschema.validators.extend(cls, {"multipleOf": _multiple_of})
 
 
 def schema_problem(schema: dict[str, Any]) -> str | None:
@@ -239,6 +275,8 @@ def schema_problem(schema: dict[str, Any]) -> str | None:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as exc:
         return exc.message
+    except RecursionError:
+        return "the schema is nested too deeply"
     return None
 
 
