@@ -170,3 +170,17 @@ def test_a_llama3_json_template_gets_calls_in_its_own_format(serve):
     [made] = reply.choices[0].message.tool_calls
     assert made.function.name == "add"
     jsonschema.validate(json.loads(made.function.arguments), ADD["function"]["parameters"])
+
+
+def test_tools_are_listed_without_schema_titles():
+    """Pydantic-made tool schemas title the parameters `<tool>_args`; small models copied that as the
+    tool's name. The listing drops `title` annotations, never a property named "title"."""
+    from thinkahead.serving.tools import tool_dicts
+
+    tool = ToolDef.model_validate({"type": "function", "function": {"name": "multiply", "parameters": {
+        "title": "multiply_args", "type": "object", "required": ["a", "title"],
+        "properties": {"a": {"title": "A", "type": "number"}, "title": {"title": "Title", "type": "string"}}}}})
+    [listed] = tool_dicts([tool])
+    assert listed["function"]["parameters"] == {"type": "object", "required": ["a", "title"], "properties": {
+        "a": {"type": "number"}, "title": {"type": "string"}}}
+    assert tool.function.parameters["title"] == "multiply_args"  # the request's own schema is untouched

@@ -180,6 +180,15 @@ class TokenGrammar:
                     raise self._llt_error from None
             return self._llt
 
+    def warm(self) -> None:
+        """Build llguidance's view of the tokenizer now (a model load calls it on a side thread, so
+        that the first constrained request does not wait for it); a tokenizer it cannot read is
+        remembered, and refused when a grammar is asked for."""
+        try:
+            self.llg_tokenizer
+        except TokenizerUnsupported:
+            pass
+
     def compile(self, spec: GrammarSpec) -> str:
         """The checked llguidance grammar of `spec` (cached): a `GrammarError` names what is wrong."""
         with self._lock:

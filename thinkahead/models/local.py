@@ -86,6 +86,7 @@ class LocalModel(LanguageModel):
         self._plain = build_decoder("none", self.engine, **common)
         self.stop_token_ids = self._stop_token_ids()
         self.grammars = TokenGrammar(tokenizer, _vocab_size(model, tokenizer), self.stop_token_ids)
+        threading.Thread(target=self.grammars.warm, name="grammar-tokenizer", daemon=True).start()  # ~1 s
         self._lock = threading.Lock()  # one generation at a time per model (the suffix cache is not thread-safe)
         self.recorder = TokenRecorder(record) if record is not None else None  # for `thinkahead simulate`
 
