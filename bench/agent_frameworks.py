@@ -44,6 +44,8 @@ os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # litellm: no mod
 RESULTS = Path(__file__).resolve().parent / "results" / "agent_frameworks.json"
 MAX_TURNS = 5  # model calls per question
 TIMEOUT_S = 180.0  # per model request
+# what every framework sends; empty with --via react (workflow models choose how their models sample)
+SAMPLING: dict[str, Any] = {"temperature": 0}
 CLIP = 2000  # transcript characters kept per question
 API_KEY = "unused"
 INSTRUCTIONS = ("You are a calculator assistant. Use the multiply and add tools to compute, "
@@ -144,7 +146,7 @@ def run_langgraph(url: str, model: str, question: str) -> Trace:
         warnings.simplefilter("ignore")
         from langgraph.prebuilt import create_react_agent
 
-        llm = ChatOpenAI(model=model, base_url=url, api_key=API_KEY, temperature=0, max_retries=0,
+        llm = ChatOpenAI(model=model, base_url=url, api_key=API_KEY, **SAMPLING, max_retries=0,
                          timeout=TIMEOUT_S)
         agent = create_react_agent(llm, [multiply, add], prompt=INSTRUCTIONS)
     state = agent.invoke({"messages": [("user", question)]}, {"recursion_limit": 2 * MAX_TURNS})
@@ -171,7 +173,7 @@ def run_agents(url: str, model: str, question: str) -> Trace:
             agent = Agent(name="calculator", instructions=INSTRUCTIONS,
                           tools=[function_tool(multiply), function_tool(add)],
                           model=OpenAIChatCompletionsModel(model=model, openai_client=client),
-                          model_settings=ModelSettings(temperature=0))
+                          model_settings=ModelSettings(**SAMPLING))
             return await Runner.run(agent, question, max_turns=MAX_TURNS)
 
     result = asyncio.run(go())
@@ -203,7 +205,7 @@ def run_pydantic_ai(url: str, model: str, question: str) -> Trace:
         async with AsyncOpenAI(base_url=url, api_key=API_KEY, max_retries=0, timeout=TIMEOUT_S) as client:
             llm = OpenAIChatModel(model, provider=OpenAIProvider(openai_client=client))
             agent = Agent(llm, tools=[multiply, add], instructions=INSTRUCTIONS,
-                          model_settings={"temperature": 0, "timeout": TIMEOUT_S})
+                          model_settings={**SAMPLING, "timeout": TIMEOUT_S})
             return await agent.run(question, usage_limits=UsageLimits(request_limit=MAX_TURNS))
 
     result = asyncio.run(go())
@@ -237,7 +239,7 @@ def run_smolagents(url: str, model: str, question: str) -> Trace:
     from smolagents.memory import ActionStep
     from smolagents.monitoring import LogLevel
 
-    llm = OpenAIServerModel(model_id=model, api_base=url, api_key=API_KEY, temperature=0,
+    llm = OpenAIServerModel(model_id=model, api_base=url, api_key=API_KEY, **SAMPLING,
                             client_kwargs={"max_retries": 0, "timeout": TIMEOUT_S})
     agent = ToolCallingAgent(tools=[smolagents_tool(multiply), smolagents_tool(add)], model=llm,
                              instructions=INSTRUCTIONS, max_steps=MAX_TURNS, verbosity_level=LogLevel.OFF)
@@ -269,7 +271,7 @@ def run_litellm(url: str, model: str, question: str) -> Trace:
     calls, errors, answer = 0, 0, ""
     for _ in range(MAX_TURNS):
         response = litellm.completion(model=f"openai/{model}", api_base=url, api_key=API_KEY, messages=messages,
-                                      tools=TOOL_SCHEMAS, temperature=0, timeout=TIMEOUT_S, num_retries=0)
+                                      tools=TOOL_SCHEMAS, **SAMPLING, timeout=TIMEOUT_S, num_retries=0)
         message = response.choices[0].message
         tool_calls = message.tool_calls or []
         messages.append({"role": "assistant", "content": message.content, "tool_calls": [
@@ -400,8 +402,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", default="qwen2.5-coder-1.5b,qwen2.5-coder-0.5b")
     parser.add_argument("--frameworks", default=",".join(FRAMEWORKS))
     parser.add_argument("--questions", type=int, default=len(QUESTIONS))
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--via", choices=("chat", "react"), default="chat",
+                        help="react: the frameworks call thinkahead/react (the workflow's agent loop) with their tools")
     args = parser.parse_args(argv)
+    if args.via == "react":
+        SAMPLING.clear()
+    out = args.out or (RESULTS if args.via == "chat" else RESULTS.with_name(RESULTS.stem + "_react.json"))
     models, frameworks = args.models.split(","), args.frameworks.split(",")
     unknown = sorted(set(frameworks) - set(FRAMEWORKS))
     if unknown:
@@ -420,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
                 run = Run(model.name, fw)
                 runs.append(run)
                 for q in questions:
-                    o = ask(fw, url, model.name, q)
+                    o = ask(fw, url, model.name if args.via == "chat" else "thinkahead/react", q)
                     run.outcomes.append(o)
                     print(f"{model.name} {fw}: {'ok ' if o.correct else 'BAD'} calls={o.calls} valid={o.valid} "
                           f"{o.seconds:.1f}s {q.text!r} -> {(o.error or o.answer)[:120]!r}", flush=True)
@@ -430,18 +437,18 @@ def main(argv: list[str] | None = None) -> int:
             close()
     names = list(dict.fromkeys(r.model for r in runs))
     report = table(runs, names, frameworks)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": platform.machine(), "cpus": os.cpu_count(), "cpu_flags": cpu_flags(),
         "python": platform.python_version(), "versions": versions(frameworks),
-        "settings": {"temperature": 0, "max_turns": MAX_TURNS, "timeout_s": TIMEOUT_S, "instructions": INSTRUCTIONS},
+        "settings": {"via": args.via, **SAMPLING, "max_turns": MAX_TURNS, "timeout_s": TIMEOUT_S, "instructions": INSTRUCTIONS},
         "questions": [asdict(q) for q in questions],
         "summary": {f"{r.framework} / {r.model}": r.summary() for r in runs},
         "runs": [{"model": r.model, "framework": r.framework, **r.summary(),
                   "outcomes": [asdict(o) for o in r.outcomes]} for r in runs],
     }, indent=1) + "\n")
-    print(f"\n{report}\n\nwrote {args.out}")
+    print(f"\n{report}\n\nwrote {out}")
     return 0
 
 

@@ -187,6 +187,17 @@ class MeteredModel(LanguageModel):
     def scores_tokens(self) -> bool:
         return self.inner.scores_tokens
 
+    @property
+    def grammar_kinds(self) -> tuple[str, ...]:  # type: ignore[override]
+        return self.inner.grammar_kinds
+
+    @property
+    def grammar_guaranteed(self) -> bool:  # type: ignore[override]
+        return self.inner.grammar_guaranteed
+
+    def check_grammar(self, spec) -> None:
+        self.inner.check_grammar(spec)
+
     async def _call(self, fn, *args, judge: bool = False):
         delay = self.retry.backoff_s
         attempts = retries = 0

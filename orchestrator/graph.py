@@ -136,6 +136,7 @@ class StepGraph:
         temperature: float = 0.0,
         strip: bool = True,
         session: str | None = None,
+        grammar: Any = None,
     ) -> StepGraph:
         """One model call. `prompt` is a template over the state, or a function of the state
         returning the user text or a whole message list (then declare its `inputs`).
@@ -144,9 +145,12 @@ class StepGraph:
         `strip=False`: a loop that feeds the text back verbatim (a ReAct transcript) keeps each
         turn's prompt an exact extension of the last one, so caches continue instead of rebuilding.
         Each generate node is its own agent session unless nodes name the same `session` (one
-        conversation written by several nodes, e.g. a first answer and its later fixes)."""
+        conversation written by several nodes, e.g. a first answer and its later fixes). `grammar` (a
+        `GrammarSpec` or a function of the state returning one) constrains the output where the
+        model enforces that kind of grammar, and is left out where it does not."""
         spec = GenerateSpec(system=system, temperature=temperature, prompt=prompt, tier=tier,  # type: ignore[arg-type]
-                            max_tokens=max_tokens, stop=_stops(stop), strip=strip, session=name if session is None else session)
+                            max_tokens=max_tokens, stop=_stops(stop), strip=strip, session=name if session is None else session,
+                            grammar=grammar)
         spec.check(name)
         return self._add(name, spec, output or name, spec.reads() if isinstance(prompt, str) else (inputs or ()))
 

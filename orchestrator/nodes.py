@@ -150,8 +150,11 @@ class GenerateSpec(_Prompted):
     stop: tuple[str, ...]
     strip: bool
     session: str
+    grammar: Any = None  # a GrammarSpec, or a function of the state returning one (None: free text)
 
     def check(self, node: str) -> None:
+        if self.grammar is not None and not (callable(self.grammar) or hasattr(self.grammar, "kind")):
+            _fail(node, f"grammar must be a GrammarSpec or a function of the state, got {type(self.grammar).__name__}")
         if self.tier not in TIERS:
             _fail(node, f"tier must be one of {TIERS}, got {self.tier!r}")
         if isinstance(self.prompt, str):

@@ -55,7 +55,7 @@ from thinkahead.step_spec.loop import StepBudget, StepLoop
 from thinkahead.step_spec.policies import StepPolicy, check_policy_models
 from thinkahead.step_spec.segment import SegmentConfig
 
-from thinkahead.models.base import GenerationRequest, LanguageModel
+from thinkahead.models.base import GenerationRequest, LanguageModel, grammar_fits
 from thinkahead.models.errors import ThinkaheadError
 
 _run_ids = itertools.count()
@@ -354,12 +354,12 @@ class Runtime:
             messages.append({"role": "user", "content": content})
         else:
             messages = content
+        model, grammar = run.models[spec.tier], spec.grammar(dict(run.state)) if callable(spec.grammar) else spec.grammar
         request = GenerationRequest(
             messages=messages, continue_final=messages[-1]["role"] == "assistant", max_new_tokens=spec.max_tokens,
             stop=list(spec.stop), temperature=spec.temperature, speculative=self.speculative,
-            session_id=run.session_id(spec.session),
-        )
-        completion = await run.models[spec.tier].generate(request)
+            session_id=run.session_id(spec.session), grammar=grammar if grammar_fits(model, grammar) else None)
+        completion = await model.generate(request)
         run.state[node.output] = completion.text.strip() if spec.strip else completion.text
         return {"model": spec.tier, "finish_reason": completion.finish_reason, "spec": completion.spec.spec_dict(),
                 "model_time_s": round(completion.time_s, 6)}

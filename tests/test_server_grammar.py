@@ -184,3 +184,36 @@ def test_tools_are_listed_without_schema_titles():
     assert listed["function"]["parameters"] == {"type": "object", "required": ["a", "title"], "properties": {
         "a": {"type": "number"}, "title": {"type": "string"}}}
     assert tool.function.parameters["title"] == "multiply_args"  # the request's own schema is untouched
+
+
+def test_react_with_client_tools_calls_them_under_the_grammar(client):
+    """thinkahead/react on a local model: each turn follows the ReAct grammar, so even a model whose
+    every free choice is noise writes an action naming a client tool with arguments that fit its schema
+    (required: no final answer), which comes back as tool_calls; `stop` is taken (the answer is cut at it)."""
+    for question in ("What is 2 + 3?", "Add 40 and 2."):
+        reply = client.chat.completions.create(model="thinkahead/react", tools=[ADD, CITY], tool_choice="required",
+                                               stop=["Observation:"],
+                                               messages=[{"role": "user", "content": question}])
+        c = reply.choices[0]
+        assert c.finish_reason == "tool_calls", c.message
+        for call in c.message.tool_calls:
+            tool = {"add": ADD, "city": CITY}[call.function.name]
+            jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+
+
+def test_metered_models_pass_grammars_through():
+    """Workflows see models through a run's meter: the grammar kinds are the model's own."""
+    from thinkahead.orchestrator.budget import Meter, MeteredModel, RetryPolicy
+    from thinkahead.models.scripted import ScriptedModel
+    from thinkahead.token_spec.grammar import GRAMMAR_KINDS
+
+    model = LocalModel_for_test()
+    metered = MeteredModel(model, "large", Meter(), RetryPolicy())
+    assert metered.grammar_kinds == GRAMMAR_KINDS and metered.grammar_guaranteed
+    assert MeteredModel(ScriptedModel(), "small", Meter(), RetryPolicy()).grammar_kinds == ()
+
+
+def LocalModel_for_test():
+    from thinkahead.models.local import LocalModel
+
+    return LocalModel(model=tiny_model("llama"), tokenizer=byte_tokenizer(), name="m")

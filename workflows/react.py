@@ -11,10 +11,12 @@ the other runs, and one past the limit is an "error: ..." observation.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable
 
 from thinkahead.orchestrator.graph import END, START, GraphError, StepGraph
+from thinkahead.token_spec.grammar import GrammarSpec, styled_schema
 from thinkahead.workflows.tools import DEFAULT_TOOLS, TOOL_TIMEOUT_S, call_tool, check_timeout
 
 INSTRUCTIONS = (
@@ -40,14 +42,32 @@ def parse_turn(text: str) -> tuple[str, str] | str | None:
     return None
 
 
+def turn_grammar(tools: dict[str, Callable[..., object]], require_call: bool = False) -> GrammarSpec:
+    """One ReAct turn after "Thought:": the thought's line, then an action naming one of `tools` or
+    (unless `require_call`) a final answer. A tool with a JSON schema (its function's `parameters`, as client tools carry)
+    takes a JSON object valid against it; any other takes one line without "]"."""
+    calls = []
+    for name, fn in tools.items():
+        schema = getattr(fn, "parameters", None)
+        argument = (f"%json {json.dumps(styled_schema(schema), ensure_ascii=False)}" if isinstance(schema, dict)
+                    else "/[^\\]\\n]*/")
+        calls.append(f'{json.dumps(name + "[")} {argument} "]"')
+    turn = "action" if require_call else "(action | final)"
+    return GrammarSpec.lark(f"%llguidance {{}}\nstart: /[^\\n]*/ \"\\n\" {turn}\n"
+                            f'action: "Action: " ({" | ".join(calls)})\n'
+                            'final: "Final Answer: " /(.|\\n)*/\n', field="tools")
+
+
 def react(*, tools: dict[str, Callable[[str], str]] | None = None, max_turns: int = 6, tier: str = "large",
           max_tokens: int = 160, tool_timeout_s: float = TOOL_TIMEOUT_S,
-          client_tools: dict[str, Callable[[str], str | None]] | None = None) -> StepGraph:
+          client_tools: dict[str, Callable[[str], str | None]] | None = None, require_call: bool = False) -> StepGraph:
     """question -> (act -> observe) until a final answer, at most `max_turns` times -> answer.
 
     `tool_timeout_s`: the seconds one tool call may run before its observation is a timeout error.
     `client_tools`: tools the caller runs; each function checks a call's argument and returns an
     error (the observation) or None, which ends the run with the call pending.
+    Where the model enforces grammars each turn follows `turn_grammar` (an action's JSON fits its
+    tool's schema); `require_call` makes every turn an action (OpenAI's tool_choice "required").
     """
     try:
         timeout_s = check_timeout(tool_timeout_s)
@@ -100,7 +120,7 @@ def react(*, tools: dict[str, Callable[[str], str]] | None = None, max_turns: in
     g.add_loop("turns", max_iters=max_turns, condition=lambda s: (s.get("observe") or {}).get("final") is None
                and "pending" not in (s.get("observe") or {}))
     g.add_generate("act", act_prompt, tier=tier, inputs=["question"], max_tokens=max_tokens, stop=["Observation:"],
-                   strip=False)
+                   strip=False, grammar=turn_grammar({**tools, **client}, require_call))
     g.add_tool("observe", observe, inputs=["act"])
     g.add_tool("answer", answer, inputs=[])
     g.add_edge(START, "turns")

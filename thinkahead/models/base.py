@@ -306,6 +306,11 @@ class LanguageModel(abc.ABC):
         """Release connections or memory; the default holds nothing."""
 
 
+def grammar_fits(model: LanguageModel, grammar: GrammarSpec | None) -> bool:
+    """Whether `model` enforces `grammar` while it decodes (a caller leaves out one it does not)."""
+    return grammar is not None and grammar.kind in model.grammar_kinds
+
+
 def content_ids(model: LanguageModel, completion: Completion) -> list[int]:
     """The completion's token ids less a final end-of-turn token or token that completed a stop string."""
     ids = list(completion.token_ids)

@@ -248,12 +248,13 @@ class ChatServer:
             options["max_tokens"] = req.max_new
         if use_tools:
             options["client_tools"] = client_tools(req.tools or [])
+            options["require_call"] = req.tool_choice == "required"  # each turn an action (under its grammar)
         try:
             graph = orch.workflow(workflow, **options)
         except ValueError as exc:
             raise RequestError(500, f"cannot build workflow {workflow!r}: {exc}", type="server_error") from exc
         reply = WorkflowReply(req.model, policy, prompt_tokens, counter.count_tokens, req.tools if use_tools else None,
-                              max_tokens=req.max_new)  # usage never reports more than the request allowed
+                              max_tokens=req.max_new, stop=req.stops)  # usage never reports more than allowed
         inputs = {"question": question, **({"transcript": transcript} if transcript else {})}
         if not req.stream:
             async with self.admission.slot():

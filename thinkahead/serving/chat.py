@@ -22,23 +22,21 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from jinja2 import TemplateError  # what a chat template's raise_exception raises (no ValueError)
+
 from thinkahead.models.base import Completion, GenerationRequest, LanguageModel, TextDelta, TokenLogprob
 from thinkahead.serving.asgi import RequestError, Responder, unsupported
 from thinkahead.serving.limits import check_context
 from thinkahead.serving.schemas import ChatRequest, Message, NamedToolChoice
 from thinkahead.serving.tool_grammar import ANSWER_GRAMMAR, CALL_CLOSE, CALL_OPEN, tool_call_grammar
 from thinkahead.serving.tools import (
-    OutputError, answered_calls, call_key, ParsedCall, forced_prefix, json_instruction, parse_json_output, parse_tool_calls, render_prompt,
-    schema_problem, tool_dicts,
+    OutputError, ParsedCall, answered_calls, call_key, forced_prefix, json_instruction, parse_json_output,
+    parse_tool_calls, render_prompt, schema_problem, tool_dicts,
 )
 from thinkahead.token_spec.grammar import GrammarError, GrammarSpec, TokenizerUnsupported
 from thinkahead.token_spec.stats import SPEC_COUNTERS, SpecStats
 
 log = logging.getLogger(__name__)
-try:  # what a chat template's raise_exception raises (no ValueError)
-    from jinja2 import TemplateError
-except ImportError:  # pragma: no cover - jinja2 comes with transformers' chat templates
-    TemplateError = ValueError  # type: ignore[assignment,misc]
 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default when a request gives none
 # After tool results, as the last message: small models otherwise often repeat the call they made

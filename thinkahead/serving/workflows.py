@@ -46,6 +46,8 @@ def check_workflow_request(req: ChatRequest, workflow: str, model: str) -> None:
     """A 400 naming the first parameter the workflow cannot honour."""
     given = req.model_fields_set
     for name in SAMPLING_PARAMS:
+        if name == "stop" and workflow == "react":
+            continue  # the final answer is cut at a stop string (agent frameworks send their own markers)
         if name in given and not (name == "logprobs" and req.logprobs is False):
             raise unsupported(name, f"by workflow models ({model}): the step policy chooses how each model samples")
     if req.n != 1:
@@ -57,8 +59,9 @@ def check_workflow_request(req: ChatRequest, workflow: str, model: str) -> None:
                                          f"{', '.join(CHAIN_BUDGET_WORKFLOWS)})")
     if req.tools and workflow != "react":
         raise unsupported("tools", f"by workflow {workflow!r} (thinkahead/react takes tools)")
-    if req.tool_choice not in (None, "auto", "none"):
-        raise unsupported("tool_choice", f"{req.tool_choice!r} by workflow models (only 'auto' or 'none')")
+    allowed = ("auto", "none", "required") if workflow == "react" and req.tools else ("auto", "none")
+    if req.tool_choice is not None and req.tool_choice not in allowed:
+        raise unsupported("tool_choice", f"{req.tool_choice!r} by {model} (only {' or '.join(map(repr, allowed))})")
 
 
 def fold(messages: list[Message]) -> str:
@@ -123,6 +126,7 @@ def client_tools(tools: list[ToolDef]) -> dict[str, Any]:
 
         params = json.dumps(tool.function.parameters or {"type": "object", "properties": {}})
         check.__doc__ = f"{(tool.function.description or tool.function.name).splitlines()[0]} Input: a JSON object, schema {params}"
+        check.parameters = tool.function.parameters or {"type": "object"}  # type: ignore[attr-defined]  # react's grammar
         out[tool.function.name] = check
     return out
 
@@ -179,7 +183,7 @@ class WorkflowReply:
     """Builds the OpenAI objects of one workflow run from its result and events."""
 
     def __init__(self, model: str, policy: str, prompt_tokens: int, count_tokens: Any,
-                 tools: list[ToolDef] | None, max_tokens: int | None = None) -> None:
+                 tools: list[ToolDef] | None, max_tokens: int | None = None, stop: list[str] | None = None) -> None:
         if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
                                        or max_tokens < 1):
             raise ValueError(f"max_tokens must be a positive int or None, got {max_tokens!r}")
@@ -188,6 +192,7 @@ class WorkflowReply:
         self.prompt_tokens, self.count_tokens = prompt_tokens, count_tokens
         self.tools = {t.function.name: t for t in tools or []}
         self.max_tokens = max_tokens  # the request's max_tokens / max_completion_tokens, where the workflow takes it
+        self.stop = [t for t in stop or [] if t]  # the content ends before the first of these (OpenAI's semantics)
         self.first_call = FirstCompletion()  # the run's first internal generation (`observe_first_completion`)
 
     @property
@@ -203,6 +208,8 @@ class WorkflowReply:
     def message(self, result: RunResult) -> tuple[dict[str, Any], str]:
         """The assistant message and the finish reason."""
         content, reasoning = texts(result)
+        cuts = [content.find(t) for t in self.stop if t in content]
+        content = content[:min(cuts)] if cuts else content
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if reasoning:
             message["reasoning_content"] = message["reasoning"] = reasoning
