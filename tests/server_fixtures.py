@@ -23,9 +23,8 @@ def scripted_pair(delay_s: float = 0.0):
     return small, large
 
 
-@pytest.fixture
-def serve():
-    """Starts apps with uvicorn on free ports; returns their base URLs; stops them afterwards."""
+def _serving():
+    """A `start(app) -> base URL` that runs apps with uvicorn on free ports, and stops them when closed."""
     running = []
 
     def start(app) -> str:
@@ -44,6 +43,18 @@ def serve():
     for server, thread in running:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+@pytest.fixture
+def serve():
+    """Starts apps with uvicorn on free ports; returns their base URLs; stops them afterwards."""
+    yield from _serving()
+
+
+@pytest.fixture(scope="module")
+def serve_module():
+    """`serve` for a whole module (a real model loaded once serves all its tests)."""
+    yield from _serving()
 
 
 def chat(model: str, question: str = "What is 17 * 23?", **extra):

@@ -10,7 +10,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.server_fixtures import serve  # noqa: F401 (fixture)
+from tests.server_fixtures import serve_module  # noqa: F401 (fixture)
 from thinkahead.serving.openai_server import create_app
 
 pytestmark = pytest.mark.slow
@@ -73,30 +73,6 @@ def client(request, serve_module):
     model = _load(request.param)
     url = serve_module(create_app(small=model, large=model))
     return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600), model
-
-
-@pytest.fixture(scope="module")
-def serve_module():
-    import threading
-    import time
-
-    import uvicorn
-
-    running = []
-
-    def start(app) -> str:
-        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on"))
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        running.append((server, thread))
-        while not server.started:
-            time.sleep(0.01)
-        return f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
-
-    yield start
-    for server, thread in running:
-        server.should_exit = True
-        thread.join(timeout=10)
 
 
 def test_the_readme_tool_round_trip(client):
