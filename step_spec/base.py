@@ -154,6 +154,12 @@ class Written:
         return self.completion.completion_tokens
 
 
+def step_tokens(ctx: StepContext) -> int:
+    """The most tokens one step may write: the segment's cap, within what the run's budget has left."""
+    cap = ctx.segment.max_step_tokens
+    return cap if ctx.token_room is None else max(1, min(cap, ctx.token_room))
+
+
 async def write_step(ctx: StepContext, tier: Tier, messages: list[dict[str, str]] | None = None) -> Written:
     """Let the `tier` model write one step continuing `messages` (default: the context's)."""
     model = ctx.model(tier)
@@ -161,7 +167,7 @@ async def write_step(ctx: StepContext, tier: Tier, messages: list[dict[str, str]
     request = GenerationRequest(
         messages=messages,
         continue_final=messages[-1]["role"] == "assistant",
-        max_new_tokens=ctx.segment.max_step_tokens,
+        max_new_tokens=step_tokens(ctx),
         stop=stop_strings(ctx.segment),
         speculative=ctx.speculative,
         temperature=ctx.temperature,

@@ -115,6 +115,7 @@ class StepLoop:
                 stop = self._budget_stop(ctx)
                 if stop is not None:
                     break
+                ctx.token_room = self._token_room(ctx)
                 step = await stepper.next_step(ctx)
                 previous = [s.text for s in ctx.steps]
                 ctx.steps.append(step)
@@ -134,6 +135,12 @@ class StepLoop:
             ctx.steps.append(final)
             yield final
         yield self._result(ctx, stop, time.perf_counter() - t0)
+
+    def _token_room(self, ctx: StepContext) -> int | None:
+        """Tokens `max_tokens` leaves for the next step (None: no token budget)."""
+        if self.budget.max_tokens is None:
+            return None
+        return self.budget.max_tokens - sum(sum(s.tokens.values()) for s in ctx.steps)
 
     def _budget_stop(self, ctx: StepContext) -> str | None:
         b = self.budget

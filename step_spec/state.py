@@ -60,6 +60,7 @@ class StepContext:
     temperature: float = 0.0
     seed: int | None = None
     session_id: str | None = None  # each step's prompt extends the last: one agent session per chain
+    token_room: int | None = None  # tokens the run's budget has left (None: unbounded); a step writes at most these
     # per-run steppers of policies stepped by hand (`policy.next_step(ctx)` without `start`), by policy
     policy_runs: dict[Any, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 

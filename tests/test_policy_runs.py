@@ -242,3 +242,23 @@ def test_the_registry_drives_cli_choices_and_config_validation() -> None:
     out = CliRunner().invoke(main, ["run", "in.jsonl", "-o", "o.jsonl", "--policy", "collect"])
     assert out.exit_code == 2 and "'collect' is not one of" in out.output
     assert all(repr(name) in out.output for name in POLICY_NAMES)
+
+
+def test_a_step_writes_at_most_what_the_token_budget_has_left() -> None:
+    """The chain budget was checked only before each step, so the last step could write a whole
+    `max_step_tokens` past `max_tokens` (238 tokens reported for max_tokens=200): each step's
+    generation is now given at most the tokens the budget has left."""
+    from thinkahead.step_spec.baselines import SingleModel
+    from thinkahead.step_spec.loop import StepBudget
+
+    words = " ".join(f"w{i}" for i in range(40))
+    small = ScriptedModel([f"{words}\n\n"] * 8, name="small")
+    large = ScriptedModel(["7}"], name="large")
+    loop = StepLoop(small, large, SingleModel(tier="small"), budget=StepBudget(max_tokens=50, max_steps=8))
+    result = asyncio.run(loop.run("What is 3 + 4?"))
+    asked = [c.request.max_new_tokens for c in small.calls if c.kind == "generate"]
+    assert asked[0] == 50 and asked[1] == 10, asked  # 40 written, 10 left for the second step
+    chain = [s for s in result.steps if s.verdict != "final"]
+    assert sum(s.tokens["small"] for s in chain) == 50 and result.stop_reason == "max_tokens"
+    # the forced final answer comes after, within its own `final_answer_tokens` (the server caps what it reports)
+    assert result.steps[-1].verdict == "final" and result.steps[-1].tokens["small"] <= StepBudget().final_answer_tokens
