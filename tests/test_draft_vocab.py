@@ -104,7 +104,8 @@ def test_a_requests_kept_ids_are_the_frequent_ones_and_its_contexts() -> None:
             request.add([3, bad])
     assert request.ids.tolist() == [*range(20), 41, 25, 30, 49]  # a refused context changes nothing
     x = torch.randn(2, 8)
-    assert torch.equal(request.logits(x), head(x)[:, request.ids])
+    # torch's GEMMs over 20 + 4 weight rows need not give the bits of its GEMM over all 50 (as above): close, not equal
+    torch.testing.assert_close(request.logits(x), head(x)[:, request.ids], rtol=1e-6, atol=1e-6)
     dist = torch.softmax(request.logits(x)[0], -1)
     full = request.full(dist)
     assert full.shape == (50,) and torch.equal(full[request.ids], dist) and float(full.sum()) == pytest.approx(1.0)
