@@ -160,12 +160,7 @@ def verify_greedy_constrained(logits: Any, draft: Draft, constraint: Constraint)
             if want >= allowed.shape[-1] or not bool(allowed[want]):
                 if not bool(allowed.any()):
                     raise ValueError("the grammar allows no token after the output so far")
-                row = logits[node + 1].float()
-                width = min(row.shape[-1], allowed.shape[-1])
-                row = row.clone()
-                row[width:] = float("-inf")
-                row[:width] = row[:width].masked_fill(~allowed[:width], float("-inf"))
-                want = int(row.argmax())
+                want = int(masked(logits[node + 1 : node + 2], allowed[None])[0].argmax())
             nxt = next((c for c in children.get(node, ()) if draft.token_ids[c] == want), None)
             if nxt is None or want in constraint.stop_ids:  # a stop token ends the output: it is the bonus
                 return Acceptance(accepted, want)

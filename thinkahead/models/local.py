@@ -23,7 +23,7 @@ from thinkahead.models.base import (
 )
 from thinkahead.models.streaming import TextPiece, TextStream
 from thinkahead.models.templates import repair_chat_template
-from thinkahead.token_spec.grammar import GRAMMAR_KINDS, GrammarSpec
+from thinkahead.token_spec.grammar import GRAMMAR_KINDS, GrammarSpec, TokenGrammar
 from thinkahead.token_spec.names import MAX_DRAFT, common_prefix_len
 from thinkahead.token_spec.recording import TokenRecorder
 
@@ -64,7 +64,6 @@ class LocalModel(LanguageModel):
         from thinkahead.token_spec.prefix_pool import KVPrefixPool
         from thinkahead.token_spec.names import SINGLE_MODEL_KINDS, check_drafter
         from thinkahead.token_spec.presets import build_decoder
-        from thinkahead.token_spec.grammar import TokenGrammar
         from thinkahead.token_spec.suffix_cache import SuffixCache
 
         check_drafter(drafter, SINGLE_MODEL_KINDS)

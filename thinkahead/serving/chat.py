@@ -24,7 +24,9 @@ from typing import Any
 
 from jinja2 import TemplateError  # what a chat template's raise_exception raises (no ValueError)
 
-from thinkahead.models.base import Completion, GenerationRequest, LanguageModel, TextDelta, TokenLogprob
+from thinkahead.models.base import (
+    Completion, GenerationRequest, LanguageModel, TextDelta, TokenLogprob, grammar_fits,
+)
 from thinkahead.serving.asgi import RequestError, Responder, unsupported
 from thinkahead.serving.limits import check_context
 from thinkahead.serving.schemas import ChatRequest, Message, NamedToolChoice
@@ -169,7 +171,7 @@ class ChatJob:
         """The prompt; a template that refuses a system message after the tool results gets none."""
         try:
             return render_prompt(self.model, messages, self.rendered_tools) + self.prefix
-        except Exception:  # noqa: BLE001 - jinja's TemplateError or a ValueError, as templates raise them
+        except (ValueError, TemplateError):
             if messages[-1].content != TOOL_RESULT_INSTRUCTION:
                 raise
             self.messages = messages = messages[:-1]
@@ -192,8 +194,6 @@ class ChatJob:
                                          required=self.required, parallel=self.req.parallel_tool_calls is not False)
             else:
                 return None
-            if spec.kind not in kinds:
-                return None
             model.check_grammar(spec)
         except TokenizerUnsupported as exc:  # the model's fault, not the request's: checked and repaired instead
             log.info("%s decodes without a grammar: %s", model.name, exc.reason)
@@ -214,13 +214,13 @@ class ChatJob:
     def _request(self, prompt: str, index: int, grammar: GrammarSpec | None = None) -> GenerationRequest:
         request = sampled_request(self.req, prompt, self.max_new, index, request_id=f"chat-{uuid.uuid4().hex[:12]}")
         # only while the model still enforces it (a remote server that refused it stops enforcing any)
-        request.grammar = grammar if grammar is not None and grammar.kind in self.model.grammar_kinds else None
+        request.grammar = grammar if grammar_fits(self.model, grammar) else None
         return request
 
     def repeats_answered(self, calls: list[ParsedCall]) -> bool:
         """Whether every call repeats one (same name and arguments) whose result is in the history,
         where the model could answer instead (tool_choice auto, a grammar to hold it to text)."""
-        return (not self.required and "lark" in self.model.grammar_kinds
+        return (not self.required and grammar_fits(self.model, self.grammar)
                 and all(call_key(c.name, c.arguments) in self.answered for c in calls))
 
     async def _generate(self, prompt: str, index: int, grammar: GrammarSpec | None = None) -> Completion:

@@ -6,10 +6,10 @@ DeepSeek) and `reasoning` (vLLM), steps keeping their separators; the extracted 
 step (author, verdict, score, tokens, text) are in the `thinkahead` field. A parameter a workflow
 cannot honour (sampling settings: the step policy decides how each model samples) is a 400 that
 names it. `max_tokens` caps the reasoning chain of cot, vote and pipeline (finish reason "length"
-when the chain ran out), and the reply's `usage.completion_tokens` never exceeds it: the step loop
-checks its chain budget before each step and the forced answer comes after it, so a run can generate
-more; its usage is then reported at the cap, finish reason "length" (`thinkahead.cost` keeps the true
-count). With `tools`, `thinkahead/react` offers them to its agent loop: a call of one
+when the chain ran out), and the reply's `usage.completion_tokens` never exceeds it: each step writes
+at most what the chain budget has left, but the forced answer comes after it and a step may hold several
+generations (a draft and its rewrite), so a run can generate more; its usage is then reported at the
+cap, finish reason "length" (`thinkahead.cost` keeps the true count). With `tools`, `thinkahead/react` offers them to its agent loop: a call of one
 ends the run with OpenAI `tool_calls`, and the next request, with the tool's result in its history,
 continues the loop where it stopped.
 
@@ -31,6 +31,7 @@ from thinkahead.models.base import FirstCompletion
 from thinkahead.orchestrator.trace import RunResult, jsonable
 from thinkahead.serving.asgi import RequestError, unsupported
 from thinkahead.serving.schemas import ChatRequest, Message, ToolDef
+from thinkahead.serving.tool_grammar import ANY_OBJECT
 from thinkahead.serving.tools import OutputError, check_schema
 from thinkahead.verifiers.grading.latex import normalize_math
 
@@ -126,7 +127,7 @@ def client_tools(tools: list[ToolDef]) -> dict[str, Any]:
 
         params = json.dumps(tool.function.parameters or {"type": "object", "properties": {}})
         check.__doc__ = f"{(tool.function.description or tool.function.name).splitlines()[0]} Input: a JSON object, schema {params}"
-        check.parameters = tool.function.parameters or {"type": "object"}  # type: ignore[attr-defined]  # react's grammar
+        check.parameters = tool.function.parameters or ANY_OBJECT  # type: ignore[attr-defined]  # react's grammar
         out[tool.function.name] = check
     return out
 
