@@ -184,6 +184,13 @@ def test_tools_are_listed_without_schema_titles():
     assert listed["function"]["parameters"] == {"type": "object", "required": ["a", "title"], "properties": {
         "a": {"type": "number"}, "title": {"type": "string"}}}
     assert tool.function.parameters["title"] == "multiply_args"  # the request's own schema is untouched
+    # data is no schema: a "title" key in a default or an enum value is the data's own (it was dropped)
+    book = ToolDef.model_validate({"type": "function", "function": {"name": "shelve", "parameters": {
+        "type": "object", "properties": {"book": {"type": "object", "default": {"title": "Dune"},
+                                                  "enum": [{"title": "Dune"}], "examples": [{"title": "Emma"}]}}}}})
+    [listed] = tool_dicts([book])
+    assert listed["function"]["parameters"]["properties"]["book"] == {
+        "type": "object", "default": {"title": "Dune"}, "enum": [{"title": "Dune"}], "examples": [{"title": "Emma"}]}
 
 
 def test_react_with_client_tools_calls_them_under_the_grammar(client):

@@ -91,6 +91,26 @@ def rebased(schema: Any, base: str) -> Any:
     return out
 
 
+def without_titles(schema: Any) -> Any:
+    """`schema` less its `title` annotations, as a prompt lists it (a property named "title", and a
+    "title" key inside data such as `default` or `enum`, stay)."""
+    if isinstance(schema, list):
+        return [without_titles(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key == "title" and isinstance(value, str):
+            continue
+        if key in _DATA_KEYWORDS:
+            out[key] = value
+        elif key in _NAMED_SCHEMAS and isinstance(value, dict):
+            out[key] = {name: without_titles(sub) for name, sub in value.items()}
+        else:
+            out[key] = without_titles(value)
+    return out
+
+
 def call_schema(tools: Mapping[str, dict[str, Any] | None], arguments_key: str = "arguments") -> dict[str, Any]:
     """`{"name": <a tool>, "arguments": <its parameters>}`, one branch per tool, in this key order; each
     tool's references rebased to where its parameters now stand."""
@@ -139,4 +159,4 @@ def tool_call_grammar(tokenizer: Any, tools: Mapping[str, dict[str, Any] | None]
 
 
 __all__ = ["ANSWER_GRAMMAR", "CALL_CLOSE", "CALL_OPEN", "HERMES", "TOOL_FORMATS", "ToolFormat", "call_schema",
-           "rebased", "tool_call_grammar", "tool_format"]
+           "rebased", "tool_call_grammar", "tool_format", "without_titles"]

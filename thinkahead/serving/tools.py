@@ -18,7 +18,7 @@ from typing import Any
 
 from thinkahead.models.base import LanguageModel
 from thinkahead.serving.schemas import Message, NamedToolChoice, ResponseFormat, ToolDef
-from thinkahead.serving.tool_grammar import CALL_CLOSE, CALL_OPEN
+from thinkahead.serving.tool_grammar import CALL_CLOSE, CALL_OPEN, without_titles
 
 _CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|\Z)", re.DOTALL)
 _DECODER = json.JSONDecoder()
@@ -81,17 +81,6 @@ def tool_dicts(tools: list[ToolDef] | None) -> list[dict[str, Any]] | None:
             item["function"]["parameters"] = without_titles(item["function"]["parameters"])
         out.append(item)
     return out
-
-
-def without_titles(schema: Any, in_properties: bool = False) -> Any:
-    """`schema` less its `title` annotations (string values; a property named "title" stays)."""
-    if isinstance(schema, list):
-        return [without_titles(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    return {k: without_titles(v, in_properties=k in ("properties", "patternProperties", "$defs", "definitions")
-                              and not in_properties)
-            for k, v in schema.items() if in_properties or not (k == "title" and isinstance(v, str))}
 
 
 def _arguments(text: str) -> Any:
