@@ -67,6 +67,19 @@ def record_returns(monkeypatch: pytest.MonkeyPatch, obj: object, name: str) -> l
     return returned
 
 
+def record_rounds_returns(monkeypatch: pytest.MonkeyPatch, obj: object, name: str) -> list:
+    """`record_returns` for a method that returns a coroutine of the scheduler: what each coroutine returns."""
+    returned: list = []
+    method = getattr(obj, name)
+
+    def recording(*args, **kwargs):
+        returned.append((yield from method(*args, **kwargs)))
+        return returned[-1]
+
+    monkeypatch.setattr(obj, name, recording)
+    return returned
+
+
 @pytest.fixture(scope="module")
 def tiny_local(tiny_model_dir) -> LocalModel:
     # suffix-tree: the match-length controller, whose draft budgets do not depend on timings
@@ -92,14 +105,14 @@ def test_accept_length_is_one_number_at_every_layer_when_a_stop_token_cuts_the_l
 
     # A first run without stop tokens: the reference output, and a suffix cache whose drafts now run past any stop.
     monkeypatch.setattr(local, "stop_token_ids", [])
-    captured = record_returns(monkeypatch, local._speculative, "generate")
+    captured = record_returns(monkeypatch, local._speculative, "_result")
     asyncio.run(loop(local).run(problem))
     reference = captured[-1].token_ids
     j = next(i for i in range(8, len(reference)) if reference[i] not in reference[:i])  # a token seen first at i
     monkeypatch.setattr(local, "stop_token_ids", [reference[j]])
 
     meter = Meter()
-    completions = record_returns(monkeypatch, local, "generate_sync")
+    completions = record_rounds_returns(monkeypatch, local, "_completion_rounds")
     result = asyncio.run(loop(MeteredModel(local, "small", meter, RetryPolicy())).run(problem))
 
     decoded = captured[-1]

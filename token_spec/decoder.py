@@ -22,11 +22,15 @@ from thinkahead.token_spec.controller import AdaptiveController, SpeculationCont
 from thinkahead.token_spec.constrained import grammar_draft, masked, row_masks, verify_greedy_constrained
 from thinkahead.token_spec.draft import Draft
 from thinkahead.token_spec.drafters import Drafter
+from thinkahead.token_spec.engine import ForwardCall, Rounds, run_inline
 from thinkahead.token_spec.grammar import Constraint
 from thinkahead.token_spec.names import common_prefix_len
 from thinkahead.token_spec.prefix_pool import KVPrefixPool
 from thinkahead.token_spec.stats import SpecStats
 from thinkahead.token_spec.verify import Acceptance, SamplingParams, verify_greedy, verify_sampling
+
+
+_GENERATIONS = itertools.count()  # numbers every generation of the process (its drafter request id)
 
 
 @dataclass(slots=True)
@@ -61,6 +65,7 @@ class _Generation:
     started: float
     session: Any = None
     constraint: Constraint | None = None  # the grammar the output must follow
+    draft_limit: Callable[[], int] | None = None  # the scheduler's cap on this round's draft (the batch's load)
     context: list[int] = field(default_factory=list)  # prompt + committed output
     output: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)  # of each output token, from the verify rows
@@ -121,7 +126,6 @@ class SpeculativeDecoder:
         self.tokenizer = tokenizer
         self.probe_tokens = probe_tokens
         self.prefix_pool = prefix_pool
-        self._ids = itertools.count()
 
     def generate(
         self,
@@ -154,14 +158,38 @@ class SpeculativeDecoder:
         `token_ids`), for streaming. To stop the generation early it raises; the decoder releases its
         state and the exception propagates.
         """
+        return run_inline(self.engine, self.rounds(
+            prompt_ids, max_new_tokens, sampling, stop_token_ids, seed, request_id, stop_strings, session_id,
+            on_tokens, constraint))
+
+    def rounds(
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int = 256,
+        sampling: SamplingParams | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        seed: int | None = None,
+        request_id: Hashable | None = None,
+        stop_strings: Sequence[str] = (),
+        session_id: Hashable | None = None,
+        on_tokens: Callable[[list[int]], None] | None = None,
+        constraint: Constraint | None = None,
+        prefill_chunk: int | None = None,
+        draft_limit: Callable[[], int] | None = None,
+    ) -> Rounds[GenerationResult]:
+        """`generate` as a coroutine: it yields each target forward it needs (a `ForwardCall`) and is sent
+        its logits, so a scheduler can run the forwards of many generations together (batching.py).
+        `prefill_chunk` splits the prompt's prefill into forwards of at most that many tokens (a long
+        prompt then never holds a batch's decoding sequences for more than one chunk); `draft_limit()`, asked
+        each round, caps the draft (a scheduler's share of its batch's rows)."""
         gen = self._new_generation(prompt_ids, max_new_tokens, sampling, stop_token_ids, seed, request_id,
                                    stop_strings)
-        gen.constraint = constraint
-        self._prefill(gen, session_id)
+        gen.constraint, gen.draft_limit = constraint, draft_limit
+        yield from self._prefill(gen, session_id, prefill_chunk)
         try:
             while not gen.done:
                 draft, probe, forced = self._draft(gen)
-                rnd = self._verify(gen, draft, probe)
+                rnd = yield from self._verify(gen, draft, probe)
                 rnd.forced = forced
                 self._accept(gen, rnd)
                 self._learn(gen, rnd)
@@ -194,7 +222,8 @@ class SpeculativeDecoder:
         if strings and self.tokenizer is None:
             raise ValueError("stop_strings need a tokenizer: pass tokenizer= to SpeculativeDecoder")
         return _Generation(
-            rid=request_id if request_id is not None else f"gen-{next(self._ids)}",
+            # unique per process: decoders share one suffix cache, and two live requests may bring one id
+            rid=f"gen-{next(_GENERATIONS)}" if request_id is None else f"{request_id}#{next(_GENERATIONS)}",
             prompt=prompt,
             max_new_tokens=max_new_tokens,
             sampling=sampling or SamplingParams(),
@@ -206,15 +235,20 @@ class SpeculativeDecoder:
             context=list(prompt),
         )
 
-    def _prefill(self, gen: _Generation, session_id: Hashable | None) -> None:
-        """A KV session holding the prompt but its last token (which the first round feeds), and the drafter told."""
+    def _prefill(self, gen: _Generation, session_id: Hashable | None, chunk: int | None) -> Rounds[None]:
+        """A KV session holding the prompt but its last token (which the first round feeds), and the drafter
+        told. A prefill that fails or is cancelled keeps its session out of the prefix pool (its KV is partial)."""
         prompt, stats = gen.prompt, gen.stats
+        if chunk is not None and chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {chunk}")
         if self.prefix_pool is not None:
             gen.session, stats.cached_tokens = self.prefix_pool.acquire(prompt)
         else:
             gen.session = self.engine.new_session()
-        if len(prompt) - 1 > stats.cached_tokens:
-            self.engine.forward(gen.session, prompt[stats.cached_tokens : -1], last_only=True)
+        end = len(prompt) - 1
+        step = max(end if chunk is None else chunk, 1)
+        for at in range(stats.cached_tokens, end, step):
+            yield ForwardCall(gen.session, prompt[at: min(at + step, end)], last_only=True)
         gen.prefill_s = time.perf_counter() - gen.started
         if self.drafter is not None:
             self.drafter.start(gen.rid, prompt, gen.sampling, session_id=session_id)
@@ -226,6 +260,8 @@ class SpeculativeDecoder:
         if drafter is None or room <= 0:
             return Draft(), None, 0
         budget = min(self.controller.budget(), room)
+        if gen.draft_limit is not None:
+            budget = min(budget, gen.draft_limit())
         t0 = time.perf_counter()
         try:
             if gen.constraint is not None:
@@ -252,14 +288,14 @@ class SpeculativeDecoder:
         draft, forced = grammar_draft(gen.constraint, room, propose, budget)
         return draft, None, forced
 
-    def _verify(self, gen: _Generation, draft: Draft, probe: Draft | None) -> _Round:
+    def _verify(self, gen: _Generation, draft: Draft, probe: Draft | None) -> Rounds[_Round]:
         """One target forward over `[last committed token] + draft`, the acceptance, and the KV rolled back to it."""
         tokens = [gen.context[-1]] + draft.token_ids
         tree = not draft.is_chain
         parents = [-1] + [p + 1 for p in draft.parents] if tree else None
         start = gen.session.length
         t0 = time.perf_counter()
-        logits = self.engine.forward(gen.session, tokens, parents)
+        logits = yield ForwardCall(gen.session, tokens, parents)
         if gen.constraint is not None and gen.sampling.greedy:
             acceptance = verify_greedy_constrained(logits, draft, gen.constraint)
         elif gen.constraint is not None:

@@ -145,6 +145,24 @@ class FusedQwen2ForCausalLM(qwen2.Qwen2ForCausalLM):
         return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                           use_cache=True, **{CACHE_NAME: cache}).last_hidden_state
 
+    def ragged_ready(self) -> bool:
+        """Whether `ragged_hidden` can run: the native layer loop over GGUF linears, and a GGUF output layer
+        (rows that never depend on the batch, as the layers')."""
+        from thinkahead.models.kquant import GGUFLinear
+
+        return (self._native_layers and layer_ops.supports(self) and isinstance(self.lm_head, GGUFLinear)
+                and self.config._attn_implementation == EXACT_ATTENTION and layer_ops.has_plan(self.model))
+
+    def ragged_hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                      segments: list[tuple[int, torch.Tensor | None, Any]]) -> torch.Tensor:
+        """The normed last hidden states `[R, hidden]` of a ragged batch: `input_ids` / `position_ids` `[R]` hold
+        every sequence's tokens one sequence after another, `segments` each sequence's (tokens, additive mask
+        `[1, 1, n, held + n]` or None for a chain, cache). Each row gets the bits `final_hidden` gives it alone."""
+        inner = self.model
+        hidden = inner.embed_tokens(input_ids[None])
+        cos, sin = inner.rotary_emb(hidden, position_ids[None])
+        return layer_ops.run_ragged(inner, hidden[0], (cos[0], sin[0]), segments)
+
     def _lean(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None) -> bool:
         """Whether a forward with these inputs runs the layers directly (`_layers`)."""
         config = self.config

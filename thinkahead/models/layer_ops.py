@@ -132,6 +132,60 @@ def run(inner: Any, hidden: torch.Tensor, position_embeddings: tuple[torch.Tenso
     return _norm(native, inner.norm, h).reshape(B, T, H)
 
 
+def has_plan(inner: Any) -> bool:
+    """Whether the native layer loop runs `inner`'s layers (every linear a GGUFLinear, SiLU)."""
+    native = EXTENSION.load()
+    return native is not None and _plan(native, inner) is not None
+
+
+def run_ragged(inner: Any, hidden: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+               segments: list[tuple[int, torch.Tensor | None, Any]]) -> torch.Tensor:
+    """The layers and final norm of `inner` over a ragged batch (`Layers.run_ragged`): `hidden` `[R, H]` float32
+    holds every sequence's rows one after another, cos/sin `[R, D]`; `segments` per sequence (rows, additive
+    mask `[1, 1, rows, held + rows]` or None, its cache). Each cache makes room for its rows (given back if the
+    run fails). Needs the layer loop (`has_plan`)."""
+    native = EXTENSION.require("the native layer ops")
+    plan = _plan(native, inner)
+    if plan is None or hidden.dim() != 2 or hidden.dtype != torch.float32:
+        raise ValueError(f"a ragged batch needs the native layer loop and float32 rows [R, H], got "
+                         f"{tuple(hidden.shape)} {hidden.dtype}")
+    R, H = hidden.shape
+    if sum(rows for rows, _, _ in segments) != R:
+        raise ValueError(f"the sequences' rows do not add up to the batch's {R}")
+    _, hkv, D = _heads(inner.layers[0].self_attn)
+    n, shape = len(inner.layers), (1, hkv, D)
+    cos, sin = (e.to(torch.float32).reshape(R, -1).contiguous() for e in position_embeddings)
+    specs, masks, grown = [], [], []
+
+    def give_back() -> None:
+        for cache, rows in grown:
+            for layer in cache.layers[:n]:
+                layer.crop(-rows)
+
+    try:
+        for rows, mask, cache in segments:
+            if not callable(getattr(cache, "room", None)):
+                raise ValueError("a ragged batch needs caches that make room in place (GrowingCache)")
+            held = cache.get_seq_length()
+            mask = _checked_mask(mask, 1, rows, held + rows)
+            room = cache.room(n, 1, hkv, D, rows)  # checks every layer before it changes any
+            grown.append((cache, rows))
+            if any(got != held or not _fits_room(k, v, shape) for k, v, got in room):
+                raise RuntimeError(f"a cache's layers hold {sorted({got for _, _, got in room})} tokens (expected "
+                                   f"{held}) or buffers that are not contiguous float32 {list(shape)}")
+            masks.append(mask)  # alive until the run is over
+            specs.append((rows, held, 0 if mask is None else mask.data_ptr(), [k.data_ptr() for k, _, _ in room],
+                          [v.data_ptr() for _, v, _ in room], [k.shape[-2] for k, _, _ in room]))
+        out = torch.empty(R, H)
+        h = hidden.contiguous().clone()
+        plan.run_ragged(h.data_ptr(), R, H, cos.data_ptr(), sin.data_ptr(), cos.shape[1], specs, out.data_ptr(),
+                        torch.get_num_threads())
+    except BaseException:
+        give_back()
+        raise
+    return out
+
+
 def _heads(attn: Any) -> tuple[int, int, int]:
     """A fused attention's query heads, key/value heads and head dimension."""
     D = attn.head_dim

@@ -2,15 +2,15 @@
 
 One `LocalModel` owns one engine, one `SuffixCache` shared by all its requests and agents (so a
 pipeline's repeated sub-tasks draft from each other's outputs), and a KV prefix pool (so the step
-loop and the judge, whose prompts extend earlier ones, skip re-reading the shared prefix). Calls are
-async: each runs in a worker thread, one at a time per model, so two models (small and large) can
-work at once.
+loop and the judge, whose prompts extend earlier ones, skip re-reading the shared prefix). Every call
+(generations, streams, scores) runs on the model's `BatchScheduler` (token_spec/batching.py): one
+thread that owns the engine, the drafters and the pool, and advances every live generation together,
+one forward per step; callers from any thread or event loop only wait for their result.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import math
 import os
 import threading
@@ -23,6 +23,8 @@ from thinkahead.models.base import (
 )
 from thinkahead.models.streaming import TextPiece, TextStream
 from thinkahead.models.templates import repair_chat_template
+from thinkahead.token_spec.batching import BatchScheduler
+from thinkahead.token_spec.engine import ForwardCall, Rounds
 from thinkahead.token_spec.grammar import GRAMMAR_KINDS, GrammarSpec, TokenGrammar
 from thinkahead.token_spec.names import MAX_DRAFT, common_prefix_len
 from thinkahead.token_spec.recording import TokenRecorder
@@ -86,16 +88,20 @@ class LocalModel(LanguageModel):
         self.stop_token_ids = self._stop_token_ids()
         self.grammars = TokenGrammar(tokenizer, _vocab_size(model, tokenizer), self.stop_token_ids)
         threading.Thread(target=self.grammars.warm, name="grammar-tokenizer", daemon=True).start()  # ~1 s
-        self._lock = threading.Lock()  # one generation at a time per model (the suffix cache is not thread-safe)
+        # the one thread that runs this model's engine, drafters, suffix cache and prefix pool (none thread-safe)
+        self.scheduler = BatchScheduler(self.engine, name=self.name)
         self.recorder = TokenRecorder(record) if record is not None else None  # for `thinkahead simulate`
 
     # ------------------------------------------------------------------ LanguageModel
     async def generate(self, request: GenerationRequest) -> Completion:
+        ids = self.encode(prompt_text(self, request))
         cancel = threading.Event()
+        future = self.scheduler.submit(lambda: self._completion_rounds(ids, request, stop_if(cancel)))
         try:
-            return observed(await asyncio.to_thread(self.generate_sync, request, stop_if(cancel)))
+            return observed(await asyncio.wrap_future(future))
         except asyncio.CancelledError:
-            cancel.set()  # the worker thread stops at the end of its round and frees the model
+            cancel.set()  # the generation leaves the batch before its next step
+            self.scheduler.cancel(future)
             raise
 
     async def stream(self, request: GenerationRequest, *, top_logprobs: int | None = None
@@ -110,13 +116,12 @@ class LocalModel(LanguageModel):
             except RuntimeError:  # the loop is gone: nobody is reading any more
                 cancel.set()
 
-        def work() -> None:
-            try:
-                put(self.stream_sync(request, put, cancel, top_logprobs))
-            except BaseException as exc:  # noqa: BLE001 - handed to the reader
-                put(exc)
+        def done(future: Any) -> None:
+            put(GenerationStopped() if future.cancelled() else future.exception() or future.result())
 
-        loop.run_in_executor(None, contextvars.copy_context().run, work)
+        ids = self.encode(prompt_text(self, request))
+        future = self.scheduler.submit(lambda: self._stream_rounds(ids, request, put, cancel, top_logprobs))
+        future.add_done_callback(done)
         try:
             while True:
                 item = await queue.get()
@@ -130,6 +135,7 @@ class LocalModel(LanguageModel):
                 yield item
         finally:
             cancel.set()
+            self.scheduler.cancel(future)  # a reader that left: the generation leaves the batch
 
     async def next_token_logprobs(self, prompt: str, top_k: int = 20) -> dict[str, float]:
         return await asyncio.to_thread(self.next_token_logprobs_sync, prompt, top_k)
@@ -139,12 +145,11 @@ class LocalModel(LanguageModel):
 
     async def end_session(self, session_id: str) -> None:
         def end() -> None:
-            with self._lock:
-                self.suffix_cache.end_session(session_id)
+            self.suffix_cache.end_session(session_id)
             if self.recorder is not None:
                 self.recorder.end_session(self.name, session_id)
 
-        await asyncio.to_thread(end)
+        await asyncio.wrap_future(self.scheduler.submit(end))
 
     def count_tokens(self, text: str) -> int:
         return len(self.encode(text))
@@ -158,13 +163,19 @@ class LocalModel(LanguageModel):
     # ------------------------------------------------------------------ sync implementations
     def generate_sync(self, request: GenerationRequest,
                       on_tokens: Callable[[list[int]], None] | None = None) -> Completion:
-        """The generation; `on_tokens` sees each round's committed tokens (it may raise to stop)."""
-        return self._generate_ids(self.encode(prompt_text(self, request)), request, on_tokens)
+        """The generation; `on_tokens` sees each round's committed tokens (it may raise to stop). It runs in
+        the model's batch with every other live generation."""
+        ids = self.encode(prompt_text(self, request))
+        return self.scheduler.run(lambda: self._completion_rounds(ids, request, on_tokens))
 
     def stream_sync(self, request: GenerationRequest, put: Callable[[TextDelta], None], cancel: threading.Event,
                     top_logprobs: int | None = None) -> Completion:
         """The generation, each piece of its text handed to `put` as it is decoded (see `stream`)."""
-        prompt_ids = self.encode(prompt_text(self, request))
+        ids = self.encode(prompt_text(self, request))
+        return self.scheduler.run(lambda: self._stream_rounds(ids, request, put, cancel, top_logprobs))
+
+    def _stream_rounds(self, prompt_ids: list[int], request: GenerationRequest, put: Callable[[TextDelta], None],
+                       cancel: threading.Event, top_logprobs: int | None) -> Rounds[Completion]:
         text = TextStream(lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True), request.stop,
                           frozenset(self.stop_token_ids))
         scorer = _Scorer(self, prompt_ids, text.ids, top_logprobs) if top_logprobs is not None else None
@@ -179,39 +190,38 @@ class LocalModel(LanguageModel):
             send(text.push(ids))
 
         try:
-            completion = self._generate_ids(prompt_ids, request, on_tokens)
-            if scorer is None:
-                send(text.finish(completion.text))
-            else:
-                with self._lock:
-                    send(text.finish(completion.text))
+            completion = yield from self._completion_rounds(prompt_ids, request, on_tokens)
+            send(text.finish(completion.text))
         finally:
             if scorer is not None:
                 scorer.close()
         return completion
 
-    def _generate_ids(self, ids: list[int], request: GenerationRequest,
-                      on_tokens: Callable[[list[int]], None] | None) -> Completion:
+    def _completion_rounds(self, ids: list[int], request: GenerationRequest,
+                           on_tokens: Callable[[list[int]], None] | None) -> Rounds[Completion]:
+        """The generation as a coroutine of the scheduler (`SpeculativeDecoder.rounds`), and its `Completion`."""
         from thinkahead.token_spec.verify import SamplingParams
 
         decoder = self._speculative if request.speculative else self._plain
         sampling = SamplingParams(temperature=request.temperature, top_p=request.top_p)
         constraint = None if request.grammar is None else self.grammars.constraint(request.grammar)
-        with self._lock:
-            result = decoder.generate(
-                ids,
-                request.max_new_tokens,
-                sampling=sampling,
-                stop_token_ids=self.stop_token_ids,
-                seed=request.seed,
-                request_id=request.request_id,
-                stop_strings=request.stop,
-                session_id=request.session_id,
-                on_tokens=on_tokens,
-                constraint=constraint,
-            )
-            if self.recorder is not None:
-                self.recorder.record(self.name, request.session_id, ids, result.token_ids)
+        scheduler = self.scheduler
+        result = yield from decoder.rounds(
+            ids,
+            request.max_new_tokens,
+            sampling=sampling,
+            stop_token_ids=self.stop_token_ids,
+            seed=request.seed,
+            request_id=request.request_id,
+            stop_strings=request.stop,
+            session_id=request.session_id,
+            on_tokens=on_tokens,
+            constraint=constraint,
+            prefill_chunk=scheduler.prefill_chunk,
+            draft_limit=scheduler.draft_limit,
+        )
+        if self.recorder is not None:
+            self.recorder.record(self.name, request.session_id, ids, result.token_ids)
         stats = result.stats
         matched = result.matched_stop if isinstance(result.matched_stop, str) else None  # a stop token is no stop string
         return Completion(
@@ -237,11 +247,7 @@ class LocalModel(LanguageModel):
         ids = self.encode(prompt)
         if not ids:
             raise ValueError("next_token_logprobs needs a non-empty prompt")
-        with self._lock, torch.inference_mode():
-            # acquire() keeps the last token out of the reused prefix, so there is always one to feed
-            session, cached = self.prefix_pool.acquire(ids)
-            logits = self.engine.forward(session, ids[cached:], last_only=True)[-1]
-            self.prefix_pool.release(session, ids)
+        logits = self.scheduler.run(lambda: self._scored_rows(ids, 0, last_only=True))[-1]
         logprobs = torch.log_softmax(logits.float(), dim=-1)
         values, indices = torch.topk(logprobs, min(top_k, logprobs.shape[-1]))
         out: dict[str, float] = {}
@@ -313,14 +319,20 @@ class LocalModel(LanguageModel):
         """(log-probabilities of `ids[start:]`, the log-softmax rows predicting them): one forward."""
         import torch
 
-        with self._lock, torch.inference_mode():
-            session, cached = self.prefix_pool.acquire(ids[:start])
-            logits = self.engine.forward(session, ids[cached:])
-            self.prefix_pool.release(session, ids)
+        cached, logits = self.scheduler.run(lambda: self._scored_rows(ids, start))
         # row i of `logits` predicts ids[cached + i + 1]
         logprobs = torch.log_softmax(logits[start - 1 - cached : len(ids) - 1 - cached].float(), dim=-1)
         targets = torch.tensor(ids[start:], dtype=torch.long)
         return logprobs.gather(1, targets[:, None])[:, 0], logprobs
+
+    def _scored_rows(self, ids: list[int], start: int, last_only: bool = False) -> Rounds[Any]:
+        """One forward over `ids` after the longest pooled prefix (of `ids[:start]`, or of `ids[:-1]` when `start`
+        is 0), in the batch: its logits (`last_only`: the last row's), with where they start when scoring."""
+        # acquire() keeps the last token out of the reused prefix, so there is always one to feed
+        session, cached = self.prefix_pool.acquire(ids[:start] if start else ids)
+        logits = yield ForwardCall(session, ids[cached:], last_only=last_only)
+        self.prefix_pool.release(session, ids)
+        return logits if last_only else (cached, logits)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of raw prompt text; a BOS token is added only where the tokenizer wants one."""
@@ -353,7 +365,7 @@ def stop_if(cancel: threading.Event) -> Callable[[list[int]], None]:
 class _Scorer:
     """Scores a streamed generation's tokens as they come, on a KV session of its own (the numbers
     `token_logprobs` gives for the same ids, one forward over each piece's tokens). Runs inside the
-    generation, under the model's lock."""
+    generation, on the model's scheduler thread (which owns the engine and the prefix pool)."""
 
     def __init__(self, model: LocalModel, prompt_ids: list[int], output: list[int], top_k: int) -> None:
         self.model, self.prompt, self.output, self.top_k = model, prompt_ids, output, top_k

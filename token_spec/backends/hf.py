@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from thinkahead.token_spec.backends.kv_cache import GrowingCache
+from thinkahead.token_spec.engine import ForwardCall
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -137,6 +138,59 @@ class HFEngine:
         session.last_start, session.last_parents = start, chain
         self.forwarded_tokens += n
         return logits.float()
+
+    @property
+    def batches_rows(self) -> bool:
+        """Whether `forward_batch` runs several sequences in one forward (a fused GGUF Qwen2 on the native
+        layer loop, whose rows never depend on the batch); otherwise it runs them one after another."""
+        ready = getattr(self.model, "ragged_ready", None)
+        return bool(ready is not None and ready())
+
+    def forward_batch(self, calls: list[ForwardCall],
+                      head: Callable[[torch.Tensor], torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """The logits of every call, as `forward` gives them call by call, the same bits; where the engine
+        `batches_rows`, in one forward over every call's tokens (each sequence attends only to its own
+        cache). A session may appear in one call only."""
+        if len({id(c.session) for c in calls}) != len(calls):
+            raise ValueError("a batch may hold each session in one call only")
+        if len(calls) < 2 or not self.batches_rows:
+            return [self.forward(c.session, c.token_ids, c.parents, c.last_only, head) for c in calls]
+        ids: list[int] = []
+        positions, segments, chains = [], [], []
+        for c in calls:  # everything checked before any cache changes
+            self._check_tokens(c.token_ids)
+            self._check_cache(c.session)
+            start, n = c.session.length, len(c.token_ids)
+            if c.parents is None:
+                chain, mask = list(range(-1, n - 1)), None
+                positions.append(torch.arange(start, start + n))
+            else:
+                self._check_parents(c.parents, n)
+                chain = [int(p) for p in c.parents]
+                depth = _depths(chain)
+                positions.append(start + depth)
+                mask = self._tree_mask(c.session, start, chain, depth)
+            ids.extend(c.token_ids)
+            segments.append((n, mask, c.session.cache))
+            chains.append(chain)
+        with torch.inference_mode():
+            hidden = self.model.ragged_hidden(torch.tensor(ids, dtype=torch.long), torch.cat(positions), segments)
+            rows, picks, first = [], [], 0
+            for c in calls:
+                n = len(c.token_ids)
+                picks.append((len(rows), 1 if c.last_only else n))
+                rows.extend([first + n - 1] if c.last_only else range(first, first + n))
+                first += n
+            kept = hidden[torch.tensor(rows)]
+            logits = (self.model.lm_head if head is None else head)(kept).float()
+        out = []
+        for c, chain, (at, count) in zip(calls, chains, picks):
+            start = c.session.length
+            c.session.length = start + len(c.token_ids)
+            c.session.last_start, c.session.last_parents = start, chain
+            self.forwarded_tokens += len(c.token_ids)
+            out.append(logits[at:at + count])
+        return out
 
     def keep_path(self, session: EngineSession, start: int, path: list[int]) -> None:
         """Keep only the nodes `path` (root-to-node, strictly increasing) of the forward that began at `start`.

@@ -108,5 +108,8 @@ PYBIND11_MODULE(_layer_native, m) {
         .def("run", &Layers::run, py::arg("h"), py::arg("b"), py::arg("t"), py::arg("hidden"), py::arg("cos"),
              py::arg("sin"), py::arg("rotary"), py::arg("mask"), py::arg("mask_batch_stride"), py::arg("held"),
              py::arg("keys"), py::arg("values"),
-             py::arg("capacity"), py::arg("out"), py::arg("threads"));
+             py::arg("capacity"), py::arg("out"), py::arg("threads"))
+        .def("run_ragged", &Layers::run_ragged, py::arg("h"), py::arg("rows"), py::arg("hidden"), py::arg("cos"),
+             py::arg("sin"), py::arg("rotary"), py::arg("segments"), py::arg("out"), py::arg("threads"),
+             "a ragged batch: each sequence its own rows, cache and mask (layer_loop.inc)");
 }

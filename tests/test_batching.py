@@ -1,0 +1,201 @@
+"""Many generations at once (token_spec/batching.py, `LocalModel`'s scheduler): each sequence's greedy tokens
+equal its solo plain greedy tokens whatever joins or leaves the batch and whatever its drafter; sampling stays
+exact per seed; a long prompt is prefilled in chunks; a failing or cancelled generation leaves the others alone."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("thinkahead.models._layer_native")
+pytest.importorskip("thinkahead.models._kquant_native")
+
+from thinkahead.models import gguf_native
+from thinkahead.models.base import GenerationRequest
+from thinkahead.models.local import LocalModel
+from thinkahead.token_spec.backends.hf import HFEngine
+from thinkahead.token_spec.batching import BatchScheduler, DraftRows
+from thinkahead.token_spec.decoder import plain_greedy
+from thinkahead.token_spec.presets import build_decoder
+from thinkahead.token_spec.suffix_cache import SuffixCache
+from thinkahead.token_spec.verify import SamplingParams
+
+from tests.test_gguf_native import tiny_config, write_tiny_gguf
+from tests.tiny_models import VOCAB, byte_tokenizer
+
+DRAFTERS = ("none", "suffix", "prompt-lookup", "suffix-tree", "combined")
+
+
+@pytest.fixture(scope="module")
+def gguf_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("batch-gguf") / "tiny.gguf"
+    write_tiny_gguf(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def engine(gguf_path):
+    engine = HFEngine(gguf_native.build_model(gguf_path, tiny_config()))
+    assert engine.batches_rows
+    return engine
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    """A prompt with repeats in it (prompt lookup and the suffix cache find drafts)."""
+    motif = [(seed * 11 + 5 * i) % (VOCAB - 3) + 3 for i in range(7)]
+    return (motif * (n // 7 + 1))[:n]
+
+
+def counting(engine, monkeypatch) -> list[int]:
+    """Records the number of calls in every `forward_batch`."""
+    sizes: list[int] = []
+    real = engine.forward_batch
+    monkeypatch.setattr(engine, "forward_batch", lambda calls, *a: sizes.append(len(calls)) or real(calls, *a))
+    return sizes
+
+
+def test_eight_sequences_with_mixed_drafters_joining_and_leaving_equal_their_solo_plain_greedy(engine, monkeypatch):
+    cache = SuffixCache()
+    decoders = {kind: build_decoder(kind, engine, cache=cache) for kind in DRAFTERS}
+    jobs = [(prompt(s, 12 + 9 * s), 20 + 7 * (s % 3), DRAFTERS[s % len(DRAFTERS)]) for s in range(8)]
+    expected = [plain_greedy(engine, p, n) for p, n, _ in jobs]
+    for (p, n, kind), want in zip(jobs[:4], expected):  # earlier outputs in the suffix cache: drafts that hit
+        assert decoders[kind].generate(p, n, stop_token_ids=[]).token_ids == want
+    sizes = counting(engine, monkeypatch)
+    scheduler = BatchScheduler(engine, prefill_chunk=8, draft_rows=DraftRows(24))
+    gate = threading.Event()
+
+    def start(i: int):
+        p, n, kind = jobs[i]
+        if i >= 5:
+            gate.wait(10)  # the last three join while the first five are decoding
+        return decoders[kind].rounds(p, n, stop_token_ids=[], prefill_chunk=scheduler.prefill_chunk,
+                                     draft_limit=scheduler.draft_limit)
+
+    futures = [scheduler.submit(lambda i=i: start(i)) for i in range(5)]
+    late = [scheduler.submit(lambda i=i: start(i)) for i in range(5, 8)]
+    gate.set()
+    results = [f.result(timeout=60) for f in futures + late]
+    scheduler.close()
+    assert [r.token_ids for r in results] == expected
+    assert max(sizes) >= 5 and scheduler.peak_batch >= 5  # they really ran together
+    assert sum(r.stats.spec_num_correct_drafts for r in results) > 0  # and speculated
+
+
+def test_sampling_with_a_seed_is_the_same_in_a_batch_as_alone(engine) -> None:
+    # token for token where the drafts are the same (here: none); with drafts, which sample a seed gives depends
+    # on them (rejection sampling), and what stays exact is the distribution (tests/test_sampling_is_lossless.py)
+    decoder = build_decoder("none", engine)
+    sampling = SamplingParams(temperature=0.9, top_p=0.95)
+    jobs = [(prompt(s, 15), 24, 100 + s) for s in range(4)]
+    alone = [decoder.generate(p, n, sampling=sampling, stop_token_ids=[], seed=seed).token_ids for p, n, seed in jobs]
+    scheduler = BatchScheduler(engine)
+    futures = [scheduler.submit(lambda p=p, n=n, seed=seed: decoder.rounds(p, n, sampling, [], seed,
+                                                                            draft_limit=scheduler.draft_limit))
+               for p, n, seed in jobs]
+    assert [f.result(timeout=60).token_ids for f in futures] == alone
+    scheduler.close()
+
+
+def test_a_failing_generation_fails_alone_and_a_closed_scheduler_refuses_work(engine) -> None:
+    decoder = build_decoder("none", engine)
+    scheduler = BatchScheduler(engine)
+    good = [prompt(s, 10) for s in range(3)]
+    futures = [scheduler.submit(lambda p=p: decoder.rounds(p, 12, stop_token_ids=[])) for p in good]
+    bad = scheduler.submit(lambda: decoder.rounds([3, VOCAB + 7, 4], 12, stop_token_ids=[]))
+    with pytest.raises(ValueError, match="not a token id"):
+        bad.result(timeout=60)
+    assert [f.result(timeout=60).token_ids for f in futures] == [plain_greedy(engine, p, 12) for p in good]
+    scheduler.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        scheduler.submit(lambda: 1)
+
+
+@pytest.fixture(scope="module")
+def model(gguf_path):
+    model = LocalModel(model=gguf_native.build_model(gguf_path, tiny_config()), tokenizer=byte_tokenizer(),
+                       drafter="suffix", name="tiny-gguf")
+    assert model.engine.batches_rows
+    return model
+
+
+QUESTIONS = [f"Question {i}: what is {i} + {2 * i}? Say it twice: {i} {i}." for i in range(8)]
+
+
+def test_local_model_serves_concurrent_requests_in_one_batch_exactly(model, monkeypatch) -> None:
+    requests = [GenerationRequest(prompt=q, max_new_tokens=16 + 3 * i, temperature=0, stop=[])
+                for i, q in enumerate(QUESTIONS)]
+    alone = [model.generate_sync(r) for r in requests]
+    model.suffix_cache.clear()
+    sizes = counting(model.engine, monkeypatch)
+
+    async def together():
+        gens = [model.generate(r) for r in requests[:6]]
+        streams = [_collect(model.stream(r)) for r in requests[6:]]
+        scores = model.next_token_logprobs(QUESTIONS[0], 3)
+        return await asyncio.gather(*gens, *streams, scores)
+
+    *got, top = asyncio.run(together())
+    assert [c.token_ids for c in got[:6]] == [c.token_ids for c in alone[:6]]
+    assert [c.text for c in got[:6]] == [c.text for c in alone[:6]]
+    assert got[6:] == [c.text for c in alone[6:]]  # the streams' pieces join to the same texts
+    assert top == model.next_token_logprobs_sync(QUESTIONS[0], 3)
+    assert max(sizes) >= 4
+
+
+async def _collect(stream) -> str:
+    pieces = []
+    async for item in stream:
+        if hasattr(item, "finish_reason"):
+            return "".join(pieces)
+        pieces.append(item.text)
+    raise AssertionError("the stream ended without its completion")
+
+
+def test_a_cancelled_request_leaves_the_batch_and_the_others_finish_exactly(model) -> None:
+    long = GenerationRequest(prompt=QUESTIONS[1], max_new_tokens=400, temperature=0, stop=[])
+    short = [GenerationRequest(prompt=q, max_new_tokens=20, temperature=0, stop=[]) for q in QUESTIONS[2:5]]
+    alone = [model.generate_sync(r).token_ids for r in short]
+
+    async def run():
+        doomed = asyncio.ensure_future(model.generate(long))
+        others = [asyncio.ensure_future(model.generate(r)) for r in short]
+        await asyncio.sleep(0.05)
+        doomed.cancel()
+        done = await asyncio.gather(*others)
+        with pytest.raises(asyncio.CancelledError):
+            await doomed
+        return done
+
+    assert [c.token_ids for c in asyncio.run(run())] == alone
+    deadline = time.monotonic() + 2
+    while model.scheduler.live and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert model.scheduler.live == 0
+
+
+def test_draft_rows_cap_each_sequence_as_the_batch_fills() -> None:
+    rows = DraftRows(16)
+    assert rows.limit(1) >= 64 and rows.limit(2) == 7 and rows.limit(8) == 1 and rows.limit(16) == 0
+    with pytest.raises(ValueError):
+        DraftRows(0)
+
+
+def test_prefill_chunks_give_the_same_tokens_as_one_prefill(engine) -> None:
+    decoder = build_decoder("none", engine)
+    p = prompt(3, 100)
+    calls = []
+    rounds = decoder.rounds(p, 10, stop_token_ids=[], prefill_chunk=32)
+    try:
+        call = next(rounds)
+        while True:
+            calls.append(len(call.token_ids))
+            call = rounds.send(engine.forward(call.session, call.token_ids, call.parents, last_only=call.last_only))
+    except StopIteration as done:
+        result = done.value
+    assert calls[:4] == [32, 32, 32, 3] and result.token_ids == plain_greedy(engine, p, 10)
+    assert torch.is_tensor(engine.forward(engine.new_session(), p, last_only=True))

@@ -1,0 +1,74 @@
+"""What the decoder asks of a target engine: `TargetEngine`, and `ForwardCall`, one sequence's forward.
+
+A decoder (decoder.py) never calls the engine itself while it runs under a scheduler: each round it
+yields a `ForwardCall` (the tokens to append to its session, a chain or a tree) and is sent back their
+logits. `run_inline` answers each call at once (one generation alone); `batching.BatchScheduler`
+gathers the calls of every live generation and answers them with one `forward_batch`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar, runtime_checkable
+
+import torch
+
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class ForwardCall:
+    """Append `token_ids` to `session` (a chain, or a tree by `parents` as `TargetEngine.forward` takes it)
+    and return their logits; `last_only` asks for the last row only (a prefill)."""
+
+    session: Any
+    token_ids: list[int]
+    parents: list[int] | None = None
+    last_only: bool = False
+
+
+@runtime_checkable
+class TargetEngine(Protocol):
+    """A model over KV-cached sessions (token_spec/backends/hf.py's `HFEngine` is the local one)."""
+
+    vocab_size: int
+
+    def new_session(self) -> Any:
+        """An empty sequence with its own KV cache."""
+
+    def forward(self, session: Any, token_ids: list[int], parents: list[int] | None = None,
+                last_only: bool = False) -> torch.Tensor:
+        """Append tokens (a chain, or a tree in topological order) and return their float32 logits."""
+
+    def forward_batch(self, calls: list[ForwardCall]) -> list[torch.Tensor]:
+        """Every call's logits, as `forward` gives them one by one (the same bits where the engine batches
+        rows exactly), each session in at most one call."""
+
+    def keep_path(self, session: Any, start: int, path: list[int]) -> None:
+        """After a tree forward that began at `start`, keep only the root-to-node `path`."""
+
+    def truncate(self, session: Any, length: int) -> None:
+        """Roll the session back to its first `length` tokens."""
+
+
+# A generation run as a coroutine: it yields the forwards it needs and is sent their logits.
+Rounds = Generator[ForwardCall, torch.Tensor, T]
+
+
+def run_inline(engine: TargetEngine, rounds: Rounds[T]) -> T:
+    """Drive `rounds` alone: each call it yields is run at once on `engine`; returns what it returns."""
+    try:
+        call = next(rounds)
+        while True:
+            call = rounds.send(engine.forward(call.session, call.token_ids, call.parents, last_only=call.last_only))
+    except StopIteration as done:
+        return done.value
+
+
+def forward_each(forward: Callable[..., torch.Tensor], calls: list[ForwardCall]) -> list[torch.Tensor]:
+    """`forward_batch` for an engine that cannot batch rows: the calls one after another."""
+    return [forward(c.session, c.token_ids, c.parents, last_only=c.last_only) for c in calls]
+
+
+__all__ = ["ForwardCall", "Rounds", "TargetEngine", "forward_each", "run_inline"]
