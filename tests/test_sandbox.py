@@ -119,6 +119,47 @@ def test_the_pass_token_cannot_be_found_and_forged(checker: CodeChecker) -> None
     assert not checker.run(program, "assert False\n").passed
 
 
+_REPLACE_THE_GRADER = {
+    "exec": "import builtins\nbuiltins.exec = lambda *a, **k: None\n",
+    "compile": "import builtins\nbuiltins.compile = lambda *a, **k: compile('pass', 'tests.py', 'exec')\n",
+    "AssertionError": "import builtins\nbuiltins.AssertionError = type('AssertionError', (Exception,), {})\n",
+    "exception classes": "import builtins\nbuiltins.SystemExit = BaseException\nbuiltins.BaseException = ()\n"
+                         "builtins.type = lambda *a: int\n",
+    "sys.exit": "import sys\nsys.exit = lambda *a: None\n",
+    "os._exit and os.write": "import os\nos._exit = lambda *a: None\nos.write = lambda *a: 0\n",
+    "a builtin the tests call": "import builtins\nbuiltins.all = lambda *a: True\n",
+    "a builtin, from a tested function": "def add(a, b):\n    import builtins\n    builtins.all = lambda *x: True\n"
+                                        "    return a + b\n",
+    "the module's builtins": "globals()['__builtins__'] = {'all': lambda *a: True}\n",
+    "a trace hook that jumps over test lines": (
+        "import sys\n"
+        "def hook(frame, event, arg):\n"
+        "    if frame.f_code.co_filename == 'tests.py' and event == 'line' and frame.f_lineno == 1:\n"
+        "        frame.f_lineno = 2\n"
+        "    return hook\n"
+        "sys.settrace(hook)\n"),
+    "a success marker": "print('OK: all tests passed')\nimport sys\nsys.stderr.write('PASSED\\n')\n",
+    "SystemExit(0)": "raise SystemExit(0)\n",
+}
+
+
+@pytest.mark.parametrize("attack", list(_REPLACE_THE_GRADER))
+def test_replacing_what_runs_the_tests_fails_the_task(checker: CodeChecker, attack: str) -> None:
+    """Tests and program share one interpreter, but the program cannot replace what runs the tests:
+    with `builtins.exec` a no-op (the tests never ran) this used to pass."""
+    program = ADD + _REPLACE_THE_GRADER[attack]
+    result = checker.run(program, "assert all([add(2, 2) == 5])\npass\n")
+    assert not result.passed
+    if attack != "SystemExit(0)":  # the tests ran and failed where they should
+        assert result.returncode == 1 and 'File "tests.py", line 1' in result.stderr_tail, result.stderr_tail
+
+
+@pytest.mark.parametrize("attack", ["exec", "compile", "a builtin the tests call", "os._exit and os.write"])
+def test_a_program_that_patches_builtins_still_passes_its_right_tests(checker: CodeChecker, attack: str) -> None:
+    result = checker.run(ADD + _REPLACE_THE_GRADER[attack], "assert all([add(2, 2) == 4])\n")
+    assert result.passed, result.stderr_tail
+
+
 def test_passing_and_failing_tests_still_count(checker: CodeChecker) -> None:
     assert checker.run(ADD, ADD_TESTS).passed
     wrong = checker.run(ADD, "assert add(2, 2) == 5\n")
@@ -222,6 +263,32 @@ def test_a_timed_out_run_leaves_no_process_behind() -> None:
     result = CodeChecker(timeout_s=1.5).run(program, "")
     assert result.timed_out and not result.passed and result.returncode is None
     assert _alive(marker) == []
+
+
+def test_a_timed_out_run_reports_the_isolation_that_was_in_force(monkeypatch: pytest.MonkeyPatch,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """A run killed at its timeout reports the layers its setup made, as a run that returns does, and
+    claims no missing layer (it used to report ('pid',) and warn of no network while connect() in the
+    same run failed with "Network is unreachable")."""
+    from thinkahead.verifiers import sandbox
+
+    def run(program: str, timeout_s: float) -> tuple[sandbox.SandboxResult, set[str]]:
+        monkeypatch.setattr(sandbox, "_WARNED", set())  # each run warns afresh
+        caplog.clear()
+        with caplog.at_level("WARNING", logger=sandbox.__name__):
+            result = sandbox.run_sandboxed(program, "", timeout_s=timeout_s)
+        return result, {r.getMessage() for r in caplog.records}
+
+    returned, warned = run("", 10)
+    assert not returned.timed_out and returned.passed
+    connect = ("import socket, sys, time\ntry:\n    socket.create_connection(('192.0.2.1', 80), timeout=1)\n"
+               "except OSError as exc:\n    print('connect:', exc, file=sys.stderr, flush=True)\ntime.sleep(60)\n")
+    timed_out, warned_after_timeout = run(connect, 2)
+    assert timed_out.timed_out and not timed_out.passed
+    assert timed_out.isolation == returned.isolation
+    assert warned_after_timeout <= warned
+    if "net" in timed_out.isolation:
+        assert "connect:" in timed_out.stderr
 
 
 @pytest.mark.skipif(not LINUX, reason="process names and /proc are Linux")

@@ -15,6 +15,14 @@ namespace allowed, and as uid 1000 through a user namespace; `tests/test_sandbox
 - Ending early with status 0 (`sys.exit(0)`, `raise SystemExit`, `os._exit(0)`, `os.execv` of
   `true`, exit 0 from inside a tested function): no token, no pass. The tests are compiled apart
   from the program, so a program cannot swallow them into an unterminated string either.
+- Replacing what runs the tests: the harness binds `exec`, `os.write`, `os._exit`, the exception
+  classes and `sys.settrace`/`sys.setprofile` before the program runs, clears any trace or profile
+  hook the program set before the tests start, and runs the tests with a copy of the builtins taken
+  before the program ran. So `builtins.exec = lambda *a, **k: None` (the tests never run),
+  replacing `compile`, `AssertionError`, `SystemExit`, `sys.exit` or `os._exit`, patching a
+  builtin the tests call (`builtins.all = lambda *a: True`) or a trace hook that jumps over test
+  lines do not pass; nor does printing a success marker (the token is not printed, it is written
+  to a pipe).
 - Network: the worker is in a new network namespace (a loopback that is down): every connect,
   127.0.0.1 included, fails. Unix sockets in /tmp, /var/tmp and /run (D-Bus, X11) are hidden.
 - Stray processes: the worker is pid 2 of a new PID namespace whose pid 1 is init; when the worker
@@ -36,10 +44,15 @@ namespace allowed, and as uid 1000 through a user namespace; `tests/test_sandbox
   that holds only the installation.
 
 What it does not stop:
-- A program that attacks this harness on purpose: the program and the tests share an interpreter,
-  so it can read the token from the harness's frame, patch builtins, install `sys.settrace`, or
-  return objects whose `__eq__` is always True. It stops accidental and naive exits, not an
-  adversary that targets the grader (run code that is hostile by design in a VM).
+- A program that attacks this harness on purpose, knowing how it works: the program and the tests
+  share an interpreter (they must: the tests call the program's functions), so whatever the harness
+  holds the program can reach. It can read the token from the harness's frame (`sys._getframe`,
+  `sys._current_frames`, `gc.get_objects`, ctypes) and write it to fd 3 itself; patch the modules
+  the tests import (`math.isclose = ...`) or, from a function the tests call, the tests' own copy
+  of the builtins (`globals()["__builtins__"]`) or a trace hook on the tests' frame; or return
+  objects whose `__eq__` is always True. It stops accidental and naive exits and the cheap, generic
+  replacements above, not an adversary that targets this grader (run code that is hostile by
+  design in a VM, and compare its outputs with the expected ones outside it).
 - Reading files its uid may read (world-readable ones; not as root, the user's own), though it
   cannot send them anywhere; a Unix socket other users may write to outside the hidden directories.
 - Kernel exploits and side channels; memory in its tmpfs counts against the machine (bounded by
@@ -117,7 +130,9 @@ class SandboxLimits:
 
 @dataclass(slots=True, frozen=True)
 class SandboxResult:
-    """How a sandboxed run ended. `isolation` names the layers that were in force."""
+    """How a sandboxed run ended. `isolation` names the layers that were in force: as the sandbox's init
+    reported them before the program started, so a run killed at its timeout reports them too (only
+    a run killed before its setup finished reports no more than the supervisor's own "pid"/"userns")."""
 
     passed: bool
     returncode: int | None
@@ -171,11 +186,11 @@ def run_sandboxed(program: str, tests: str, *, timeout_s: float = DEFAULT_TIMEOU
         report = json.loads(out)
     except ValueError:  # the supervisor died or was killed: its own stderr says why
         report = {"returncode": None if backstop else proc.returncode, "timed_out": backstop, "result": "",
-                  "stderr": "", "isolation": [], "notes": []}
+                  "stderr": "", "isolation": [], "isolation_known": False, "notes": []}
     tail = (report["stderr"] + err.decode("utf-8", errors="replace"))[-stderr_chars:] if stderr_chars else ""
     isolation = tuple(report["isolation"])
-    if isolate:
-        _warn_once(isolation, report.get("notes", []))
+    if isolate:  # a layer is called missing only when the sandbox's setup reported what it made
+        _warn_once(isolation if report["isolation_known"] else None, report.get("notes", []))
     passed = not report["timed_out"] and report["returncode"] == 0 and report["result"] == token
     return SandboxResult(passed, report["returncode"], bool(report["timed_out"]), tail, isolation)
 
@@ -196,10 +211,13 @@ _MISSING = {
 """What each isolation layer's absence means, as the warning says it."""
 
 
-def _warn_once(isolation: tuple[str, ...], notes: list[str]) -> None:
-    """Log once per process each layer the kernel refused here, and each note of the child."""
-    have = set(isolation) | ({"bound"} if {"uid", "userns"} & set(isolation) or not _LINUX else set())
-    for what in [text for layer, text in _MISSING.items() if layer not in have] + notes:
+def _warn_once(isolation: tuple[str, ...] | None, notes: list[str]) -> None:
+    """Log once per process each layer the kernel refused here (None: not known, none), and each note of the child."""
+    missing = []
+    if isolation is not None:
+        have = set(isolation) | ({"bound"} if {"uid", "userns"} & set(isolation) or not _LINUX else set())
+        missing = [text for layer, text in _MISSING.items() if layer not in have]
+    for what in missing + notes:
         if what not in _WARNED:
             _WARNED.add(what)
             log.warning("code sandbox: %s; falling back to resource limits (see thinkahead.verifiers.sandbox)", what)

@@ -16,6 +16,7 @@ What this stops and what it does not is documented in `thinkahead.verifiers.sand
 from __future__ import annotations
 
 from typing import Any
+import contextlib
 import json
 import math
 import os
@@ -85,7 +86,7 @@ def _child_main() -> None:
 
         traceback.print_exc()
         report = {"returncode": None, "timed_out": False, "result": "", "stderr": f"sandbox error: {exc!r}\n",
-                  "isolation": [], "notes": []}
+                  "isolation": [], "isolation_known": False, "notes": []}
     sys.stdout.write(json.dumps(report))
     sys.stdout.flush()
 
@@ -164,14 +165,16 @@ def _supervise(config: dict[str, Any]) -> dict[str, Any]:
             except ChildProcessError:  # _kill_stragglers reaped it
                 pass
             drain_until = time.monotonic() + 1.0
-    try:
-        worker = json.loads(bytes(bufs[st_r]) or b"{}")
-    except ValueError:
-        worker = {}
+    worker: dict[str, Any] = {}  # init's reports, a JSON object a line: its setup, then the worker's status
+    for line in bytes(bufs[st_r]).splitlines():
+        with contextlib.suppress(ValueError):
+            worker |= json.loads(line)
     returncode = None if timed_out or "status" not in worker else os.waitstatus_to_exitcode(worker["status"])
+    known = "isolation" in worker  # not when init was killed before its setup ended: only our own layers are known
     return {"returncode": returncode, "timed_out": timed_out, "result": bytes(bufs[res_r]).decode("latin-1"),
             "stderr": bytes(bufs[err_r][-keep:] if keep else b"").decode("utf-8", errors="replace"),
-            "isolation": worker.get("isolation", isolation), "notes": notes + worker.get("notes", [])}
+            "isolation": worker["isolation"] if known else isolation, "isolation_known": known,
+            "notes": notes + worker.get("notes", [])}
 
 
 def _kill_stragglers(init: int) -> None:
@@ -261,6 +264,8 @@ def _init(config: dict[str, Any], isolation: list[str], uid: int | None, supervi
         isolation.append("uid")
         if "mount" not in isolation:
             os.chown(workdir, uid, uid)
+    # the layers in force, reported before the program runs: a timeout's kill cannot lose them
+    os.write(st_w, json.dumps({"isolation": isolation, "notes": notes}).encode() + b"\n")
     worker = os.fork()
     if worker == 0:
         code = 70
@@ -278,8 +283,8 @@ def _init(config: dict[str, Any], isolation: list[str], uid: int | None, supervi
             break
         if pid == worker:
             status = st
-    report = {"isolation": isolation, "notes": notes} | ({"status": status} if status is not None else {})
-    os.write(st_w, json.dumps(report).encode())
+    if status is not None:
+        os.write(st_w, json.dumps({"status": status}).encode() + b"\n")
     return 0
 
 
@@ -435,47 +440,59 @@ def _drop_capabilities() -> None:
 
 
 def _harness(request: bytes) -> None:
-    """Run the program, then the tests, in one fresh `__main__`; the token only when the tests return."""
+    """Run the program, then the tests, in one fresh `__main__`; the token only when the tests return.
+
+    What runs the tests is bound here before the program runs (exec, os.write, os._exit, the exception
+    classes, trace hooks), and the tests see a copy of the builtins taken before it, so a program that
+    replaces or patches any of them (`builtins.exec = ...`, `builtins.all = ...`) cannot skip or soften them.
+    """
     import builtins
     import linecache
+    import traceback
     import types
 
-    write, exit_ = os.write, os._exit  # the program may replace the os module's attributes
+    run, write, exit_, print_exception = exec, os.write, os._exit, traceback.print_exception
+    system_exit, base_exception, kind, integer = SystemExit, BaseException, type, int
+    settrace, setprofile, tests_builtins = sys.settrace, sys.setprofile, dict(vars(builtins))
     data = json.loads(request)
     del request
     token = data.pop("token").encode()
     main = types.ModuleType("__main__")
-    main.__dict__.update(__file__="solution.py", __builtins__=builtins)
+    namespace = main.__dict__
+    namespace.update(__file__="solution.py", __builtins__=builtins)
     sys.modules["__main__"] = main
     sys.argv = ["solution.py"]
-    status = None
+    passed, status = False, 1
     try:
-        codes = []
-        for name in ("program", "tests"):
-            source, filename = data.pop(name), f"{'solution' if name == 'program' else 'tests'}.py"
-            linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
-            codes.append(compile(source, filename, "exec", dont_inherit=True))
-        for code in codes:
-            exec(code, main.__dict__)
-    except SystemExit as exc:  # as the interpreter does: None is 0, an int is the status, else print it
-        status = 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 1
-        if status == 1 and not isinstance(exc.code, int):
-            print(exc.code, file=sys.stderr)
-    except BaseException as exc:
-        import traceback
-
-        tb = exc.__traceback__.tb_next if exc.__traceback__ is not None else None  # not the harness's frame
-        traceback.print_exception(type(exc), exc, tb)
-        status = 1
-    for stream in (sys.stdout, sys.stderr):
         try:
-            stream.flush()
-        except BaseException:
-            pass
-    if status is None:
-        write(RESULT_FD, token)
-        exit_(0)
-    exit_(status & 0xFF)
+            codes = []
+            for name in ("program", "tests"):
+                source, filename = data.pop(name), f"{'solution' if name == 'program' else 'tests'}.py"
+                linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+                codes.append(compile(source, filename, "exec", dont_inherit=True, optimize=0))  # asserts kept
+            run(codes[0], namespace)
+            settrace(None), setprofile(None)  # no hook of the program's sees (or jumps over) a test line
+            namespace["__builtins__"] = tests_builtins
+            run(codes[1], namespace)
+            passed = True
+        except system_exit as exc:  # as the interpreter does: None is 0, an int is the status, else print it
+            code = exc.code
+            status = 0 if code is None else code & 0xFF if kind(code) is integer else 1
+            if code is not None and kind(code) is not integer:
+                print(code, file=sys.stderr)
+        except base_exception as exc:
+            tb = exc.__traceback__.tb_next if exc.__traceback__ is not None else None  # not the harness's frame
+            print_exception(kind(exc), exc, tb)
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except base_exception:
+                pass
+    finally:  # however the above ended, only these two ends, and the token only after the tests returned
+        if passed:
+            write(RESULT_FD, token)
+            exit_(0)
+        exit_(status)
 
 
 if __name__ == "__main__":
