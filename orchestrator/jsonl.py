@@ -35,6 +35,11 @@ class LogError(ThinkaheadError, ValueError):
     """A log file that cannot be read or written as asked; the message names the file and line."""
 
 
+def cannot_write(path: str | os.PathLike[str] | None, exc: OSError) -> str:
+    """The one-line message for an output `path` the system refused to create or write (`exc` says why)."""
+    return f"cannot write {path}: {exc.strerror or exc}"
+
+
 def config_differences(old: Mapping[str, Any], new: Mapping[str, Any], prefix: str = "") -> list[str]:
     """`key: old -> new` for every leaf where two nested configurations differ."""
     out = []
@@ -146,7 +151,7 @@ class JsonlLog:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         except OSError as exc:
-            raise LogError(f"cannot write {self.path}: {exc.strerror or exc}") from None
+            raise LogError(cannot_write(self.path, exc)) from None
         try:
             _lock(fd, self.path)
             self._check_for_append(on_record)
@@ -212,7 +217,7 @@ class JsonlLog:
         try:
             self._write_line(record)
         except OSError as exc:
-            raise LogError(f"cannot write {self.path}: {exc.strerror or exc}") from None
+            raise LogError(cannot_write(self.path, exc)) from None
 
     def close(self) -> None:
         if self._fd is not None:

@@ -147,3 +147,36 @@ def test_failed_runs_exit_1_after_the_summary(tiny_model_dir, tmp_path, monkeypa
     assert result.exit_code == 1, result.output
     assert "cot/large" in result.output and "1 run(s) failed (bad)" in result.output  # the summary still prints
     assert {rid: r.status for rid, r in ResultStore(out).latest().items()} == {"good": "ok", "bad": "error"}
+
+
+def _a_store(path) -> None:
+    from thinkahead.orchestrator.trace import RunResult
+
+    with ResultStore(path) as store:
+        store.append(RunResult(id="0", workflow="cot", status="ok", answer="1", cost={"tokens": 3, "wall_s": 0.5}))
+
+
+@pytest.mark.parametrize("where", ["under a file", "a folder the system refuses", "under a missing /proc entry"])
+def test_compare_to_an_unwritable_folder_is_one_line_and_exit_2(tiny_model_dir, tmp_path, where):
+    """As `run` and `generate` for the same paths (one handler, `options.output_errors`); it was a
+    NotADirectoryError / PermissionError / FileNotFoundError traceback with exit 1."""
+    import sys
+
+    if where != "under a file" and not sys.platform.startswith("linux"):
+        pytest.skip("/sys and /proc are Linux")
+    store = tmp_path / "runs.jsonl"
+    _a_store(store)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    out = {"under a file": blocker / "report", "a folder the system refuses": "/sys/thinkahead-report",
+           "under a missing /proc entry": "/proc/thinkahead-none/report"}[where]
+    result = invoke("compare", f"a={store}", "-o", out)
+    assert result.exit_code == 2, result.output
+    assert "cannot write" in result.output and "Traceback" not in result.output
+    assert len([line for line in result.output.splitlines() if line.strip()]) == 1
+    assert blocker.read_text() == "x"
+    # the same path as a store of `run` is refused in the same words
+    tasks = tmp_path / "t.jsonl"
+    tasks.write_text(json.dumps({"question": "w5"}) + "\n")
+    run = invoke("run", tasks, "-o", f"{out}.jsonl", *model_args(tiny_model_dir))
+    assert run.exit_code == 2 and "cannot write" in run.output and no_model_loaded(run), run.output

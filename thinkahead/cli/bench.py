@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from thinkahead.cli.options import POLICIES, InputError, build_settings, grader, orchestrator_options, quiet_loading
+from thinkahead.cli.options import POLICIES, build_settings, grader, orchestrator_options, output_errors, quiet_loading
 from thinkahead.cli.progress import summary_table
 from thinkahead.config import default
 from thinkahead.workflows import WORKFLOWS
@@ -34,7 +34,6 @@ from thinkahead.verifiers.grading import CHECKER_NAMES
 def bench(input_path, suite, workflow, policies, thresholds, judges, token_spec, out_dir, limit, checker, **options) -> None:
     """Run step policies side by side on INPUT.jsonl or a --suite; write a markdown report and plots."""
     from thinkahead.evals.bench import matrix, run_bench
-    from thinkahead.orchestrator.jsonl import LogError
 
     names = [p.strip() for p in policies.split(",") if p.strip()]
     unknown = [p for p in names if p not in POLICIES]
@@ -59,11 +58,9 @@ def bench(input_path, suite, workflow, policies, thresholds, judges, token_spec,
                    + (f" correct={result.meta['correct']}" if "correct" in result.meta else ""), err=True)
 
     quiet_loading()
-    try:
+    with output_errors(out_dir):
         report = run_bench(tasks, configs, settings, out_dir, annotate=annotate, on_result=progress, graph=graph,
                            title=title)
-    except LogError as exc:
-        raise InputError(str(exc)) from None
     click.echo(summary_table([(c.label, s) for c, s in report.rows]))
     plots = [str(p) for p in (report.plot, report.warmth_plot) if p]
     click.echo(f"report: {report.markdown}" + (f", plots: {', '.join(plots)}" if plots else ""))

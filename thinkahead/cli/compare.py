@@ -6,6 +6,8 @@ from pathlib import Path
 
 import click
 
+from thinkahead.cli.options import output_errors
+
 
 @click.command()
 @click.argument("columns", metavar="LABEL=STORE.jsonl...", nargs=-1, required=True)
@@ -33,7 +35,8 @@ def compare(columns: tuple[str, ...], out_dir: Path, tasks_path: Path | None, ti
         except ValueError as exc:
             raise click.UsageError(f"--tasks: {exc}") from exc
     try:
-        report = compare_stores(parsed, out_dir, ids, title)
+        with output_errors(out_dir):  # the folder cannot be made or written, a store is corrupt: one line, exit 2
+            report = compare_stores(parsed, out_dir, ids, title)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
     click.echo(report.markdown.read_text() if report.markdown else "")

@@ -18,7 +18,7 @@ from typing import Iterator
 
 import click
 
-from thinkahead.cli.options import InputError, same_file
+from thinkahead.cli.options import InputError, output_errors, same_file
 from thinkahead.config import default
 from thinkahead.models.weights import DTYPES
 from thinkahead.token_spec.names import DRAFTER_KINDS, MODEL_DRAFT_KINDS
@@ -146,7 +146,6 @@ def generate(prompts, input_path, output, model, drafter, draft_model, max_new_t
     from thinkahead.token_spec.verify import SamplingParams
 
     from thinkahead.models.loader import check_model_spec
-    from thinkahead.orchestrator.jsonl import LogError
 
     items: list[PromptItem] = [PromptItem(id=str(i + 1), prompt=p) for i, p in enumerate(prompts)]
     if input_path is not None:
@@ -171,11 +170,9 @@ def generate(prompts, input_path, output, model, drafter, draft_model, max_new_t
                 "top_p": top_p, "seed": seed}
     out_log = generation_log(output, settings) if output is not None else None
     skip: set[str] = set()
-    try:
-        if out_log is not None:
+    if out_log is not None:
+        with output_errors(output):
             out_log.open_for_append(lambda record: skip.add(record["id"]))  # one read: checks and ids
-    except LogError as exc:
-        raise InputError(str(exc)) from None
     if out_log is not None and out_log.moved_torn_to is not None:
         click.echo(f"{output}: a torn last line (a write cut short) was moved to {out_log.moved_torn_to}", err=True)
     todo = [it for it in items if it.id not in skip]

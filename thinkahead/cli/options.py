@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +24,29 @@ class InputError(click.ClickException):
     """A usage or input problem the user can fix (a bad file, value or path): exit code 2, no usage text."""
 
     exit_code = EXIT_INPUT
+
+
+@contextmanager
+def output_errors(out: Path) -> Iterator[None]:
+    """Writing a command's output `out` (`-o`, a file or a folder): what goes wrong there is an
+    `InputError` (one line, exit 2), the same for every command.
+
+    A store that is not ours, is corrupt or holds another configuration (`LogError`), and a path on
+    the way to or inside `out` that the system will not create or write (`OSError`: a parent that
+    is a file, is missing or is not writable). Any other `OSError` is not about `out` and goes on."""
+    from thinkahead.orchestrator.jsonl import LogError, cannot_write
+
+    try:
+        yield
+    except LogError as exc:
+        raise InputError(str(exc)) from None
+    except OSError as exc:
+        if exc.filename is None:
+            raise
+        where, out_abs = Path(os.fsdecode(exc.filename)).absolute(), out.absolute()
+        if where != out_abs and where not in out_abs.parents and out_abs not in where.parents:
+            raise
+        raise InputError(cannot_write(exc.filename, exc)) from None
 
 
 OFF = "off"  # --gate-logprob off: check every draft
@@ -61,16 +87,14 @@ def same_file(a: Path, b: Path) -> bool:
 def open_store(path: Path, config: dict[str, Any] | None, inputs: tuple[Path, ...] = ()):
     """A result store checked for writing (recognised, same configuration, writable) before any model loads;
     open, it keeps what it read (`store.done_ids()` reads nothing more)."""
-    from thinkahead.orchestrator.store import LogError, ResultStore
+    from thinkahead.orchestrator.store import ResultStore
 
     for source in inputs:
         if source is not None and same_file(path, source):
             raise InputError(f"-o {path} is the input file; write results to another file")
-    try:
+    with output_errors(path):
         store = ResultStore(path, config=config)
         store.open_for_append()
-    except LogError as exc:
-        raise InputError(str(exc)) from None
     if store.moved_torn_to is not None:
         click.echo(f"{path}: a torn last line (a write cut short) was moved to {store.moved_torn_to}", err=True)
     return store
