@@ -94,14 +94,19 @@ class JsonlLog:
         self.torn_bytes = 0
         if not self.path.exists():
             return
-        with open(self.path, "rb") as f:
-            for lineno, raw in enumerate(f, 1):
-                if not raw.endswith(b"\n"):
-                    self.torn_bytes = len(raw)
-                    log.warning("%s:%d: skipping an unterminated last line (%d bytes; a write cut short?)",
-                                self.path, lineno, len(raw))
-                    return
-                yield lineno, raw
+        lineno = 0
+        try:
+            with open(self.path, "rb") as f:
+                for lineno, raw in enumerate(f, 1):
+                    if not raw.endswith(b"\n"):
+                        self.torn_bytes = len(raw)
+                        log.warning("%s:%d: skipping an unterminated last line (%d bytes; a write cut short?)",
+                                    self.path, lineno, len(raw))
+                        return
+                    yield lineno, raw
+        except OSError as exc:  # unreadable (permissions, /proc/self/mem): the file and the line it stopped at
+            raise LogError(f"cannot read {self.path}" + (f" past line {lineno}" if lineno else "")
+                           + f": {exc.strerror or exc}") from None
 
     def _decode(self, lineno: int, raw: bytes) -> dict[str, Any]:
         try:

@@ -153,7 +153,7 @@ def _a_store(path) -> None:
     from thinkahead.orchestrator.trace import RunResult
 
     with ResultStore(path) as store:
-        store.append(RunResult(id="0", workflow="cot", status="ok", answer="1", cost={"tokens": 3, "wall_s": 0.5}))
+        store.append(RunResult(id="0", workflow="cot", status="ok", answer="1", cost={"tokens": {"small": 3}, "wall_s": 0.5}))
 
 
 @pytest.mark.parametrize("where", ["under a file", "a folder the system refuses", "under a missing /proc entry"])
@@ -180,3 +180,59 @@ def test_compare_to_an_unwritable_folder_is_one_line_and_exit_2(tiny_model_dir, 
     tasks.write_text(json.dumps({"question": "w5"}) + "\n")
     run = invoke("run", tasks, "-o", f"{out}.jsonl", *model_args(tiny_model_dir))
     assert run.exit_code == 2 and "cannot write" in run.output and no_model_loaded(run), run.output
+
+
+_STEP = {"run_id": "1", "kind": "step", "node": "reason", "t": 0.5,
+         "data": {"index": 0, "author": "small", "verdict": "accepted", "score": 8, "tokens": {"small": 4},
+                  "time_s": 0.1, "text": "Add."}}
+
+
+@pytest.mark.parametrize("fields, named", [
+    ({"steps": "abc", "cost": "z"}, "['steps']"),
+    ({"cost": "z"}, "cost must be an object, got str 'z'"),
+    ({"cost": {"wall_s": "z"}}, "cost.wall_s must be a number"),
+    ({"cost": {"tokens": 5}}, "cost.tokens must be an object of numbers"),
+    ({"trace": "abc"}, "trace must be a list"),
+    ({"trace": [_STEP, "abc"]}, "trace[1] must be an object"),
+    ({"trace": [{**_STEP, "t": "soon"}]}, "trace[0].t must be a number"),
+    ({"trace": [{**_STEP, "data": {**_STEP["data"], "index": "first"}}]}, "trace[0].data.index must be an integer"),
+    ({"trace": [{**_STEP, "data": {"index": 0, "verdict": "accepted"}}]}, "trace[0] (step) lacks data.author"),
+    ({"trace": [{**_STEP, "kind": "teleport"}]}, "trace[0].kind must be one of"),
+    ({"status": "done"}, "status must be one of ok, error, budget, cancelled"),
+    ({"error": 5}, "error must be a string or null"),
+    ({"meta": []}, "meta must be an object"),
+])
+def test_a_record_of_the_wrong_shape_is_refused_naming_file_line_and_field(tmp_path, fields, named):
+    """Records were checked for id, status and workflow only: `"cost": "z"` made `trace --id` an
+    AttributeError traceback. Now every command that reads the store refuses it as a corrupt line."""
+    path = tmp_path / "runs.jsonl"
+    _a_store(path)
+    good = json.loads(path.read_text().splitlines()[1])
+    path.write_text(path.read_text() + json.dumps({**good, "id": "1", **fields}) + "\n")
+    before = path.read_bytes()
+    for args in (["trace", path, "--id", "1"], ["trace", path], ["compare", f"a={path}", "-o", tmp_path / "r"]):
+        result = invoke(*args)
+        assert result.exit_code == 2, result.output
+        assert f"{path}:3: not a run record" in result.output and named in result.output, result.output
+        assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1
+    assert path.read_bytes() == before
+
+
+def test_a_well_formed_record_with_steps_is_shown(tmp_path):
+    path = tmp_path / "runs.jsonl"
+    _a_store(path)
+    good = json.loads(path.read_text().splitlines()[1])
+    path.write_text(path.read_text() + json.dumps({**good, "id": "1", "trace": [_STEP]}) + "\n")
+    result = invoke("trace", path, "--id", "1")
+    assert result.exit_code == 0 and "step  0 small accepted   score 8 4 tok" in result.output, result.output
+
+
+def test_trace_of_an_unreadable_file_is_one_line(tmp_path):
+    """`trace /proc/self/mem` was an OSError traceback (EIO on read)."""
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("/proc is Linux")
+    result = invoke("trace", "/proc/self/mem")
+    assert result.exit_code == 2 and "cannot read /proc/self/mem" in result.output, result.output
+    assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1
