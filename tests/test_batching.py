@@ -18,7 +18,7 @@ from thinkahead.models import gguf_native
 from thinkahead.models.base import GenerationRequest
 from thinkahead.models.local import LocalModel
 from thinkahead.token_spec.backends.hf import HFEngine
-from thinkahead.token_spec.batching import BatchScheduler, DraftRows
+from thinkahead.token_spec.batching import BatchScheduler, allocate
 from thinkahead.token_spec.decoder import plain_greedy
 from thinkahead.token_spec.presets import build_decoder
 from thinkahead.token_spec.suffix_cache import SuffixCache
@@ -66,7 +66,7 @@ def test_eight_sequences_with_mixed_drafters_joining_and_leaving_equal_their_sol
     for (p, n, kind), want in zip(jobs[:4], expected):  # earlier outputs in the suffix cache: drafts that hit
         assert decoders[kind].generate(p, n, stop_token_ids=[]).token_ids == want
     sizes = counting(engine, monkeypatch)
-    scheduler = BatchScheduler(engine, prefill_chunk=8, draft_rows=DraftRows(24))
+    scheduler = BatchScheduler(engine, prefill_chunk=8)
     gate = threading.Event()
 
     def start(i: int):
@@ -74,7 +74,7 @@ def test_eight_sequences_with_mixed_drafters_joining_and_leaving_equal_their_sol
         if i >= 5:
             gate.wait(10)  # the last three join while the first five are decoding
         return decoders[kind].rounds(p, n, stop_token_ids=[], prefill_chunk=scheduler.prefill_chunk,
-                                     draft_limit=scheduler.draft_limit)
+                                     share=scheduler.share())
 
     futures = [scheduler.submit(lambda i=i: start(i)) for i in range(5)]
     late = [scheduler.submit(lambda i=i: start(i)) for i in range(5, 8)]
@@ -95,7 +95,7 @@ def test_sampling_with_a_seed_is_the_same_in_a_batch_as_alone(engine) -> None:
     alone = [decoder.generate(p, n, sampling=sampling, stop_token_ids=[], seed=seed).token_ids for p, n, seed in jobs]
     scheduler = BatchScheduler(engine)
     futures = [scheduler.submit(lambda p=p, n=n, seed=seed: decoder.rounds(p, n, sampling, [], seed,
-                                                                            draft_limit=scheduler.draft_limit))
+                                                                            share=scheduler.share()))
                for p, n, seed in jobs]
     assert [f.result(timeout=60).token_ids for f in futures] == alone
     scheduler.close()
@@ -178,11 +178,20 @@ def test_a_cancelled_request_leaves_the_batch_and_the_others_finish_exactly(mode
     assert model.scheduler.live == 0
 
 
-def test_draft_rows_cap_each_sequence_as_the_batch_fills() -> None:
-    rows = DraftRows(16)
-    assert rows.limit(1) >= 64 and rows.limit(2) == 7 and rows.limit(8) == 1 and rows.limit(16) == 0
-    with pytest.raises(ValueError):
-        DraftRows(0)
+def test_goodput_allocation_speculates_where_drafts_hit_and_backs_off_as_the_batch_fills() -> None:
+    def curve(k: int) -> float:  # the 1.5B's verify curve (docs/results/verify_curve_gguf.md): 8 rows 1.6x one
+        rows = k + 1
+        return 1 + 0.087 * (rows - 1) if rows <= 8 else 1.61 + 0.128 * (rows - 8)
+
+    one = allocate([0.8], curve)[0]
+    assert 4 <= one <= 16  # alone, a good drafter drafts deeply
+    eight = allocate([0.8] * 8, curve)
+    assert max(eight) < one and sum(eight) < 8 * one  # in a full batch each drafts less
+    mixed = allocate([0.95, 0.1, 0.1, 0.1], curve)
+    assert mixed[0] > 0 and mixed[1:] == [0, 0, 0]  # the drafts go where they hit
+    assert allocate([0.0] * 4, curve) == [0] * 4 and allocate([], curve) == []
+    flat = allocate([0.99], lambda k: 1.0, most=64)  # rows for free: as long as allowed
+    assert flat == [64]
 
 
 def test_prefill_chunks_give_the_same_tokens_as_one_prefill(engine) -> None:

@@ -14,12 +14,15 @@ gets alone, tests/test_ragged_batch.py), so each generation's tokens are the one
 
 Load: a long prompt is prefilled in chunks of `prefill_chunk` tokens, so it holds decoding sequences for
 one chunk per step at most; a step holds at most `max_rows` rows (decode rounds first, then prefill
-chunks in arrival order, at least one call per step); each generation's draft is capped by `draft_limit`
-from the number of live generations (`DraftRows`), so speculation backs off as the batch fills.
+chunks in arrival order, at least one call per step). Speculation is sized by goodput (SmartSpec): after
+each forward the scheduler plans every sequence's next draft length from its acceptance rate and the
+measured cost of a forward by its rows (`allocate`), so it speculates where drafts hit and backs off as the
+batch fills; a sequence alone is left to its decoder's own controller.
 """
 
 from __future__ import annotations
 
+import heapq
 import inspect
 import logging
 import threading
@@ -30,6 +33,7 @@ from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from thinkahead.token_spec.controller import CostCurve
 from thinkahead.token_spec.engine import ForwardCall, Rounds, TargetEngine
 from thinkahead.token_spec.names import MAX_DRAFT
 
@@ -38,25 +42,48 @@ T = TypeVar("T")
 
 PREFILL_CHUNK = 256  # prompt tokens per prefill forward while other sequences decode
 MAX_BATCH_ROWS = 512  # rows of one step's forward at most
-DRAFT_ROWS = 16  # rows a step's verify forwards aim at together: each live sequence's share, its bonus row included
+INITIAL_ACCEPT = 0.5  # a sequence's acceptance rate before its decoder reports one
+COST_SLOPE = 0.09  # a forward's cost per extra row relative to one row, before any is measured (1.5B: 8 rows 1.6x)
 
 
-@dataclass(slots=True)
-class DraftRows:
-    """Caps each sequence's draft so that a step's verify rows stay near `rows`: with n > 1 live sequences
-    each drafts at most rows // n - 1 tokens (none from `rows` sequences on); a sequence alone is left to its
-    decoder's controller. A CPU forward costs little more per row
-    until its kernels turn compute-bound (docs/results/verify_curve_gguf.md: 8 rows 1.6x one row, 32 rows
-    4.4x), so one stream speculates deeply and a full batch decodes plainly."""
+def allocate(accept_rates: list[float], cost: Callable[[int], float], most: int = MAX_DRAFT) -> list[int]:
+    """Draft lengths for sequences with these acceptance rates that maximise the expected tokens per second of
+    one forward (SmartSpec's goodput): a sequence drafting k tokens at rate a commits 1 + a + ... + a^k tokens on
+    average, and the forward of R rows in all costs `cost(R - 1)` seconds. Greedy: the next draft token goes to
+    the sequence whose next token is likeliest accepted, while it raises tokens per second."""
+    n = len(accept_rates)
+    lengths = [0] * n
+    if n == 0:
+        return lengths
+    rates = [min(max(a, 0.0), 0.999) for a in accept_rates]
+    heap = [(-a, i) for i, a in enumerate(rates) if a > 0]
+    heapq.heapify(heap)
+    expected, rows = float(n), n
+    while heap:
+        gain, i = heapq.heappop(heap)
+        gain = -gain
+        if (expected + gain) / cost(rows) <= expected / cost(rows - 1):
+            break
+        expected, rows, lengths[i] = expected + gain, rows + 1, lengths[i] + 1
+        if lengths[i] < most:
+            heapq.heappush(heap, (-gain * rates[i], i))
+    return lengths
 
-    rows: int = DRAFT_ROWS
 
-    def __post_init__(self) -> None:
-        if self.rows < 1:
-            raise ValueError(f"draft rows must be >= 1, got {self.rows}")
+class _Share:
+    """One generation's view of its batch (the decoder's `DraftShare`)."""
 
-    def limit(self, live: int) -> int:
-        return MAX_DRAFT if live <= 1 else max(0, self.rows // live - 1)
+    __slots__ = ("_scheduler", "_item")
+
+    def __init__(self, scheduler: BatchScheduler, item: _Live) -> None:
+        self._scheduler, self._item = scheduler, item
+
+    def limit(self, accept_rate: float) -> int:
+        return self._scheduler._limit(self._item, accept_rate)
+
+    @property
+    def alone(self) -> bool:
+        return self._item.batch <= 1
 
 
 @dataclass(slots=True)
@@ -69,6 +96,8 @@ class _Live:
     call: ForwardCall | None = None
     joined: float = field(default_factory=time.perf_counter)
     cancelled: bool = False  # set from any thread: the work leaves the batch before its next step
+    accept: float = INITIAL_ACCEPT  # its drafts' acceptance rate, as its decoder last said
+    batch: int = 1  # sequences in its last forward
 
 
 class BatchScheduler:
@@ -80,18 +109,20 @@ class BatchScheduler:
     """
 
     def __init__(self, engine: TargetEngine, *, prefill_chunk: int = PREFILL_CHUNK, max_rows: int = MAX_BATCH_ROWS,
-                 draft_rows: DraftRows | None = None, name: str = "engine") -> None:
+                 name: str = "engine") -> None:
         if prefill_chunk < 1 or max_rows < 1:
             raise ValueError(f"prefill_chunk and max_rows must be >= 1, got {prefill_chunk} and {max_rows}")
         self.engine = engine
         self.prefill_chunk = prefill_chunk if getattr(engine, "batches_rows", False) else None  # see prefill_chunk()
         self.max_rows = max_rows
-        self.draft_rows = draft_rows if draft_rows is not None else DraftRows()
+        self.cost = CostCurve(smoothing=0.25, prior_slope=COST_SLOPE)  # rows - 1 -> seconds of a forward
+        self._plan: dict[int, int] = {}  # id of a live item -> its draft length for the next round
         self.name = name
         self._new: deque[_Live] = deque()
         self._live: list[_Live] = []
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
+        self._starting: _Live | None = None
         self._closed = False
         self.steps = 0  # forwards run, over the scheduler's life
         self.peak_batch = 0  # most sequences in one forward
@@ -126,9 +157,19 @@ class BatchScheduler:
             raise RuntimeError("run() on the scheduler's own thread would wait for itself")
         return self.submit(start).result()
 
-    def draft_limit(self) -> int:
-        """The most draft tokens one sequence may verify this step (read by the decoders each round)."""
-        return self.draft_rows.limit(len(self._live))
+    def share(self) -> _Share:
+        """The `DraftShare` of the work being started: call it inside `start` (on the scheduler's thread)."""
+        if self._starting is None:
+            raise RuntimeError("share() is for the start function of submitted work")
+        return _Share(self, self._starting)
+
+    def _limit(self, item: _Live, accept_rate: float) -> int:
+        """The most draft tokens `item` may verify next: its decoder decides alone; in a batch, the goodput plan
+        made from every sequence's acceptance rate after the last forward."""
+        item.accept = accept_rate
+        if len(self._live) <= 1:
+            return MAX_DRAFT
+        return self._plan.get(id(item), 0)
 
     @property
     def live(self) -> int:
@@ -167,16 +208,20 @@ class BatchScheduler:
         if item.cancelled:
             item.future.set_exception(CancelledError())
             return
+        self._starting = item  # share() answers for it while it starts and runs to its first forward
         try:
-            out = item.start()
-        except BaseException as exc:  # noqa: BLE001 - handed to the waiter
-            item.future.set_exception(exc)
-            return
-        if not inspect.isgenerator(out):
-            item.future.set_result(out)
-            return
-        item.rounds = out
-        self._advance(item, None)
+            try:
+                out = item.start()
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+                item.future.set_exception(exc)
+                return
+            if not inspect.isgenerator(out):
+                item.future.set_result(out)
+                return
+            item.rounds = out
+            self._advance(item, None)
+        finally:
+            self._starting = None
 
     def _advance(self, item: _Live, logits: Any, error: BaseException | None = None) -> None:
         """Send the coroutine its logits (or throw `error` into it); keep it live while it yields a forward."""
@@ -234,8 +279,10 @@ class BatchScheduler:
         calls = [item.call for item in batch]
         self.steps += 1
         self.peak_batch = max(self.peak_batch, len(batch))
+        t0 = time.perf_counter()
         try:
             results = self.engine.forward_batch(calls)
+            self.cost.update(sum(len(c.token_ids) for c in calls) - 1, time.perf_counter() - t0)
         except Exception:  # noqa: BLE001 - find whose call it was: the batch checks before it changes a cache
             logger.debug("a batch of %d calls failed; running them one by one", len(calls), exc_info=True)
             results = []
@@ -245,12 +292,14 @@ class BatchScheduler:
                 except Exception as exc:  # noqa: BLE001 - thrown into its own generation
                     results.append(exc)
             results = [r if isinstance(r, Exception) else r[0] for r in results]
+        live = list(self._live)
+        self._plan = dict(zip(map(id, live), allocate([i.accept for i in live], self.cost)))
         for item, out in zip(batch, results):
-            item.call = None
+            item.call, item.batch = None, len(batch)
             if isinstance(out, Exception):
                 self._advance(item, None, error=out)
             else:
                 self._advance(item, out)
 
 
-__all__ = ["BatchScheduler", "DraftRows", "DRAFT_ROWS", "MAX_BATCH_ROWS", "PREFILL_CHUNK"]
+__all__ = ["BatchScheduler", "MAX_BATCH_ROWS", "PREFILL_CHUNK", "allocate"]

@@ -22,7 +22,7 @@ from thinkahead.token_spec.controller import AdaptiveController, SpeculationCont
 from thinkahead.token_spec.constrained import grammar_draft, masked, row_masks, verify_greedy_constrained
 from thinkahead.token_spec.draft import Draft
 from thinkahead.token_spec.drafters import Drafter
-from thinkahead.token_spec.engine import ForwardCall, Rounds, run_inline
+from thinkahead.token_spec.engine import DraftShare, ForwardCall, Rounds, run_inline
 from thinkahead.token_spec.grammar import Constraint
 from thinkahead.token_spec.names import common_prefix_len
 from thinkahead.token_spec.prefix_pool import KVPrefixPool
@@ -30,6 +30,7 @@ from thinkahead.token_spec.stats import SpecStats
 from thinkahead.token_spec.verify import Acceptance, SamplingParams, verify_greedy, verify_sampling
 
 
+ACCEPT_PRIOR, ACCEPT_SMOOTHING = 0.5, 0.25  # a generation's acceptance estimate: its start, its moving average
 _GENERATIONS = itertools.count()  # numbers every generation of the process (its drafter request id)
 
 
@@ -65,7 +66,8 @@ class _Generation:
     started: float
     session: Any = None
     constraint: Constraint | None = None  # the grammar the output must follow
-    draft_limit: Callable[[], int] | None = None  # the scheduler's cap on this round's draft (the batch's load)
+    share: DraftShare | None = None  # its batch, where a scheduler runs it: caps its drafts
+    accept_rate: float = ACCEPT_PRIOR  # its own drafts' acceptance (a moving average over rounds)
     context: list[int] = field(default_factory=list)  # prompt + committed output
     output: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)  # of each output token, from the verify rows
@@ -175,16 +177,16 @@ class SpeculativeDecoder:
         on_tokens: Callable[[list[int]], None] | None = None,
         constraint: Constraint | None = None,
         prefill_chunk: int | None = None,
-        draft_limit: Callable[[], int] | None = None,
+        share: DraftShare | None = None,
     ) -> Rounds[GenerationResult]:
         """`generate` as a coroutine: it yields each target forward it needs (a `ForwardCall`) and is sent
         its logits, so a scheduler can run the forwards of many generations together (batching.py).
         `prefill_chunk` splits the prompt's prefill into forwards of at most that many tokens (a long
-        prompt then never holds a batch's decoding sequences for more than one chunk); `draft_limit()`, asked
-        each round, caps the draft (a scheduler's share of its batch's rows)."""
+        prompt then never holds a batch's decoding sequences for more than one chunk); `share` (from a
+        scheduler) caps each round's draft by the batch's goodput plan."""
         gen = self._new_generation(prompt_ids, max_new_tokens, sampling, stop_token_ids, seed, request_id,
                                    stop_strings)
-        gen.constraint, gen.draft_limit = constraint, draft_limit
+        gen.constraint, gen.share = constraint, share
         yield from self._prefill(gen, session_id, prefill_chunk)
         try:
             while not gen.done:
@@ -260,8 +262,8 @@ class SpeculativeDecoder:
         if drafter is None or room <= 0:
             return Draft(), None, 0
         budget = min(self.controller.budget(), room)
-        if gen.draft_limit is not None:
-            budget = min(budget, gen.draft_limit())
+        if gen.share is not None:
+            budget = min(budget, gen.share.limit(gen.accept_rate))
         t0 = time.perf_counter()
         try:
             if gen.constraint is not None:
@@ -338,12 +340,18 @@ class SpeculativeDecoder:
         stats.spec_num_proposed_drafts += len(rnd.draft)
         stats.spec_num_correct_drafts += accepted
         stats.grammar_forced_drafts += rnd.forced
-        self.controller.update(len(rnd.draft), accepted, rnd.fed, rnd.forward_s)
+        gen.accept_rate = moved_accept_rate(gen.accept_rate, len(rnd.draft), accepted)
+        if gen.share is None or gen.share.alone:  # a shared forward's time is not this round's verify cost
+            self.controller.update(len(rnd.draft), accepted, rnd.fed, rnd.forward_s)
+        else:
+            self.controller.update(len(rnd.draft), accepted)
         probe = rnd.probe
         if probe is not None and len(probe):
             # Only as many probe tokens as were produced can be checked.
             checked = min(len(probe), len(rnd.tokens))
-            self.controller.update(checked, common_prefix_len(probe.token_ids, rnd.tokens))
+            hits = common_prefix_len(probe.token_ids, rnd.tokens)
+            self.controller.update(checked, hits)
+            gen.accept_rate = moved_accept_rate(gen.accept_rate, checked, hits)
 
     def _check_stop_string(self, gen: _Generation, rnd: _Round) -> None:
         """Cut the round's tokens after the one that completes a stop string, if any does. A stop token
@@ -409,6 +417,15 @@ class SpeculativeDecoder:
         if eos is None:
             return []
         return list(eos) if isinstance(eos, (list, tuple)) else [eos]
+
+
+def moved_accept_rate(rate: float, proposed: int, accepted: int) -> float:
+    """An acceptance-rate estimate moved by one round: the verifier stops at the first miss, so `accepted` hits
+    out of accepted + 1 tries (or `proposed` when all hit); unchanged when nothing was proposed."""
+    if proposed <= 0:
+        return rate
+    tries = accepted + (1 if accepted < proposed else 0)
+    return rate + ACCEPT_SMOOTHING * (accepted / tries - rate)
 
 
 def path_logprobs(logits: torch.Tensor, draft: Draft, acceptance: Acceptance) -> list[float]:

@@ -52,6 +52,17 @@ class TargetEngine(Protocol):
         """Roll the session back to its first `length` tokens."""
 
 
+class DraftShare(Protocol):
+    """A generation's view of the batch it runs in (given by the scheduler)."""
+
+    def limit(self, accept_rate: float) -> int:
+        """The most draft tokens this sequence may verify next round, given its drafts' acceptance rate."""
+
+    @property
+    def alone(self) -> bool:
+        """Whether its last forward ran it alone (that forward's time is then its own verify cost)."""
+
+
 # A generation run as a coroutine: it yields the forwards it needs and is sent their logits.
 Rounds = Generator[ForwardCall, torch.Tensor, T]
 
@@ -71,4 +82,4 @@ def forward_each(forward: Callable[..., torch.Tensor], calls: list[ForwardCall])
     return [forward(c.session, c.token_ids, c.parents, last_only=c.last_only) for c in calls]
 
 
-__all__ = ["ForwardCall", "Rounds", "TargetEngine", "forward_each", "run_inline"]
+__all__ = ["DraftShare", "ForwardCall", "Rounds", "TargetEngine", "forward_each", "run_inline"]

@@ -218,7 +218,7 @@ class LocalModel(LanguageModel):
             on_tokens=on_tokens,
             constraint=constraint,
             prefill_chunk=scheduler.prefill_chunk,
-            draft_limit=scheduler.draft_limit,
+            share=scheduler.share(),
         )
         if self.recorder is not None:
             self.recorder.record(self.name, request.session_id, ids, result.token_ids)
