@@ -5,7 +5,6 @@ exact per seed; a long prompt is prefilled in chunks; a failing or cancelled gen
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 
 import pytest
@@ -50,6 +49,12 @@ def prompt(seed: int, n: int) -> list[int]:
     return (motif * (n // 7 + 1))[:n]
 
 
+def wait_for_steps(scheduler: BatchScheduler, steps: int) -> None:
+    deadline = time.monotonic() + 30
+    while scheduler.steps < steps and time.monotonic() < deadline:
+        time.sleep(0.001)
+
+
 def counting(engine, monkeypatch) -> list[int]:
     """Records the number of calls in every `forward_batch`."""
     sizes: list[int] = []
@@ -67,18 +72,14 @@ def test_eight_sequences_with_mixed_drafters_joining_and_leaving_equal_their_sol
         assert decoders[kind].generate(p, n, stop_token_ids=[]).token_ids == want
     sizes = counting(engine, monkeypatch)
     scheduler = BatchScheduler(engine, prefill_chunk=8)
-    gate = threading.Event()
 
     def start(i: int):
         p, n, kind = jobs[i]
-        if i >= 5:
-            gate.wait(10)  # the last three join while the first five are decoding
-        return decoders[kind].rounds(p, n, stop_token_ids=[], prefill_chunk=scheduler.prefill_chunk,
-                                     share=scheduler.share())
+        return decoders[kind].rounds(p, n, stop_token_ids=[], share=scheduler.share())
 
     futures = [scheduler.submit(lambda i=i: start(i)) for i in range(5)]
+    wait_for_steps(scheduler, 3)  # the last three join while the first five are decoding
     late = [scheduler.submit(lambda i=i: start(i)) for i in range(5, 8)]
-    gate.set()
     results = [f.result(timeout=60) for f in futures + late]
     scheduler.close()
     assert [r.token_ids for r in results] == expected
@@ -194,17 +195,22 @@ def test_goodput_allocation_speculates_where_drafts_hit_and_backs_off_as_the_bat
     assert flat == [64]
 
 
-def test_prefill_chunks_give_the_same_tokens_as_one_prefill(engine) -> None:
+def test_a_long_prompt_joins_in_pieces_while_others_decode_and_every_output_is_exact(engine, monkeypatch) -> None:
     decoder = build_decoder("none", engine)
-    p = prompt(3, 100)
-    calls = []
-    rounds = decoder.rounds(p, 10, stop_token_ids=[], prefill_chunk=32)
-    try:
-        call = next(rounds)
-        while True:
-            calls.append(len(call.token_ids))
-            call = rounds.send(engine.forward(call.session, call.token_ids, call.parents, last_only=call.last_only))
-    except StopIteration as done:
-        result = done.value
-    assert calls[:4] == [32, 32, 32, 3] and result.token_ids == plain_greedy(engine, p, 10)
-    assert torch.is_tensor(engine.forward(engine.new_session(), p, last_only=True))
+    short = [prompt(s, 6) for s in range(3)]
+    long = prompt(9, 150)
+    expected = [plain_greedy(engine, p, 30) for p in short] + [plain_greedy(engine, long, 5)]
+    sizes: list[list[int]] = []
+    real = engine.forward_batch
+    monkeypatch.setattr(engine, "forward_batch", lambda calls: sizes.append([len(c.token_ids) for c in calls])
+                        or real(calls))
+    scheduler = BatchScheduler(engine, prefill_chunk=16)
+    futures = [scheduler.submit(lambda p=p: decoder.rounds(p, 30, stop_token_ids=[], share=scheduler.share()))
+               for p in short]
+    wait_for_steps(scheduler, 3)
+    futures.append(scheduler.submit(lambda: decoder.rounds(long, 5, stop_token_ids=[], share=scheduler.share())))
+    assert [f.result(timeout=60).token_ids for f in futures] == expected
+    scheduler.close()
+    pieces = [n for step in sizes for n in step if n > 1]
+    assert max(pieces) == 16 and pieces.count(16) == 149 // 16  # the long prompt: in pieces beside the decoders
+

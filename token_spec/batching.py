@@ -12,8 +12,8 @@ Exactness: the engine's rows never depend on the batch (a ragged batch gives eac
 gets alone, tests/test_ragged_batch.py), so each generation's tokens are the ones it produces alone
 (tests/test_batching.py), whoever joins or leaves.
 
-Load: a long prompt is prefilled in chunks of `prefill_chunk` tokens, so it holds decoding sequences for
-one chunk per step at most; a step holds at most `max_rows` rows (decode rounds first, then prefill
+Load: a long prompt is prefilled in pieces of `prefill_chunk` tokens while others decode, so it holds them
+for one piece per step at most; a step holds at most `max_rows` rows (decode rounds first, then prefill
 chunks in arrival order, at least one call per step). Speculation is sized by goodput (SmartSpec): after
 each forward the scheduler plans every sequence's next draft length from its acceptance rate and the
 measured cost of a forward by its rows (`allocate`), so it speculates where drafts hit and backs off as the
@@ -40,7 +40,7 @@ from thinkahead.token_spec.names import MAX_DRAFT
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-PREFILL_CHUNK = 256  # prompt tokens per prefill forward while other sequences decode
+PREFILL_CHUNK = 64  # prompt tokens per step while other sequences decode (1.5B on 2 cores: ~0.7 s a step)
 MAX_BATCH_ROWS = 512  # rows of one step's forward at most
 INITIAL_ACCEPT = 0.5  # a sequence's acceptance rate before its decoder reports one
 COST_SLOPE = 0.09  # a forward's cost per extra row relative to one row, before any is measured (1.5B: 8 rows 1.6x)
@@ -113,7 +113,8 @@ class BatchScheduler:
         if prefill_chunk < 1 or max_rows < 1:
             raise ValueError(f"prefill_chunk and max_rows must be >= 1, got {prefill_chunk} and {max_rows}")
         self.engine = engine
-        self.prefill_chunk = prefill_chunk if getattr(engine, "batches_rows", False) else None  # see prefill_chunk()
+        # prefills are cut into pieces only where that gives the same bits (_batch)
+        self.prefill_chunk = prefill_chunk if getattr(engine, "batches_rows", False) else None
         self.max_rows = max_rows
         self.cost = CostCurve(smoothing=0.25, prior_slope=COST_SLOPE)  # rows - 1 -> seconds of a forward
         self._plan: dict[int, int] = {}  # id of a live item -> its draft length for the next round
@@ -259,24 +260,40 @@ class BatchScheduler:
         for item in [i for i in self._live if i.cancelled or i.future.cancelled()]:
             self._finish(item, error=CancelledError())
 
-    def _batch(self) -> list[_Live]:
-        """This step's calls: every decode round, then prefill chunks in arrival order, within `max_rows`
-        (at least one call)."""
+    def _batch(self) -> list[tuple[_Live, ForwardCall, bool]]:
+        """This step's calls, each with whether it ends its item's call: every decode round (within `max_rows`),
+        then prefills in arrival order. Where the engine batches rows exactly a prefill is cut into pieces (a
+        piece's K/V are the bits the whole prompt's are): while sequences decode, the step's prefill pieces hold
+        at most `prefill_chunk` rows, so a long prompt delays them one chunk per step; with none decoding, up to
+        `max_rows`. At least one call per step."""
+        if self.prefill_chunk is None:  # the engine runs the calls one by one: rows cost what they cost
+            return [(item, item.call, True) for item in self._live]
         decode = [i for i in self._live if not i.call.last_only]
         prefill = sorted((i for i in self._live if i.call.last_only), key=lambda i: i.joined)
-        chosen, rows = [], 0
-        for item in decode + prefill:
+        chosen: list[tuple[_Live, ForwardCall, bool]] = []
+        rows = 0
+        for item in decode:
             n = len(item.call.token_ids)
-            if chosen and rows + n > self.max_rows:
-                continue
-            chosen.append(item)
-            rows += n
+            if not chosen or rows + n <= self.max_rows:
+                chosen.append((item, item.call, True))
+                rows += n
+        room = self.max_rows if not chosen else min(self.prefill_chunk, self.max_rows - rows)
+        for item in prefill:
+            call, n = item.call, len(item.call.token_ids)
+            if n <= room:
+                chosen.append((item, call, True))
+                room -= n
+            elif room > 0:
+                chosen.append((item, ForwardCall(call.session, call.token_ids[:room], last_only=True), False))
+                room = 0
+            if room <= 0:
+                break
         return chosen
 
     def step(self) -> None:
         """One forward over the chosen calls; each coroutine gets its logits and runs to its next forward."""
         batch = self._batch()
-        calls = [item.call for item in batch]
+        calls = [call for _, call, _ in batch]
         self.steps += 1
         self.peak_batch = max(self.peak_batch, len(batch))
         t0 = time.perf_counter()
@@ -286,20 +303,23 @@ class BatchScheduler:
         except Exception:  # noqa: BLE001 - find whose call it was: the batch checks before it changes a cache
             logger.debug("a batch of %d calls failed; running them one by one", len(calls), exc_info=True)
             results = []
-            for item in batch:
+            for call in calls:
                 try:
-                    results.append(self.engine.forward_batch([item.call]))
+                    results.append(self.engine.forward_batch([call])[0])
                 except Exception as exc:  # noqa: BLE001 - thrown into its own generation
                     results.append(exc)
-            results = [r if isinstance(r, Exception) else r[0] for r in results]
         live = list(self._live)
         self._plan = dict(zip(map(id, live), allocate([i.accept for i in live], self.cost)))
-        for item, out in zip(batch, results):
-            item.call, item.batch = None, len(batch)
+        for (item, call, whole), out in zip(batch, results):
+            item.batch = len(batch)
             if isinstance(out, Exception):
+                item.call = None
                 self._advance(item, None, error=out)
-            else:
+            elif whole:
+                item.call = None
                 self._advance(item, out)
+            else:  # a piece of a prefill: the rest waits for the next step
+                item.call = ForwardCall(call.session, item.call.token_ids[len(call.token_ids):], last_only=True)
 
 
 __all__ = ["BatchScheduler", "MAX_BATCH_ROWS", "PREFILL_CHUNK", "allocate"]

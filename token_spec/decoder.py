@@ -176,18 +176,15 @@ class SpeculativeDecoder:
         session_id: Hashable | None = None,
         on_tokens: Callable[[list[int]], None] | None = None,
         constraint: Constraint | None = None,
-        prefill_chunk: int | None = None,
         share: DraftShare | None = None,
     ) -> Rounds[GenerationResult]:
         """`generate` as a coroutine: it yields each target forward it needs (a `ForwardCall`) and is sent
         its logits, so a scheduler can run the forwards of many generations together (batching.py).
-        `prefill_chunk` splits the prompt's prefill into forwards of at most that many tokens (a long
-        prompt then never holds a batch's decoding sequences for more than one chunk); `share` (from a
-        scheduler) caps each round's draft by the batch's goodput plan."""
+        `share` (from a scheduler) caps each round's draft by the batch's goodput plan."""
         gen = self._new_generation(prompt_ids, max_new_tokens, sampling, stop_token_ids, seed, request_id,
                                    stop_strings)
         gen.constraint, gen.share = constraint, share
-        yield from self._prefill(gen, session_id, prefill_chunk)
+        yield from self._prefill(gen, session_id)
         try:
             while not gen.done:
                 draft, probe, forced = self._draft(gen)
@@ -237,20 +234,16 @@ class SpeculativeDecoder:
             context=list(prompt),
         )
 
-    def _prefill(self, gen: _Generation, session_id: Hashable | None, chunk: int | None) -> Rounds[None]:
+    def _prefill(self, gen: _Generation, session_id: Hashable | None) -> Rounds[None]:
         """A KV session holding the prompt but its last token (which the first round feeds), and the drafter
         told. A prefill that fails or is cancelled keeps its session out of the prefix pool (its KV is partial)."""
         prompt, stats = gen.prompt, gen.stats
-        if chunk is not None and chunk < 1:
-            raise ValueError(f"prefill_chunk must be >= 1, got {chunk}")
         if self.prefix_pool is not None:
             gen.session, stats.cached_tokens = self.prefix_pool.acquire(prompt)
         else:
             gen.session = self.engine.new_session()
-        end = len(prompt) - 1
-        step = max(end if chunk is None else chunk, 1)
-        for at in range(stats.cached_tokens, end, step):
-            yield ForwardCall(gen.session, prompt[at: min(at + step, end)], last_only=True)
+        if len(prompt) - 1 > stats.cached_tokens:  # a scheduler may run it in pieces (batching.py)
+            yield ForwardCall(gen.session, prompt[stats.cached_tokens : -1], last_only=True)
         gen.prefill_s = time.perf_counter() - gen.started
         if self.drafter is not None:
             self.drafter.start(gen.rid, prompt, gen.sampling, session_id=session_id)

@@ -217,7 +217,6 @@ class LocalModel(LanguageModel):
             session_id=request.session_id,
             on_tokens=on_tokens,
             constraint=constraint,
-            prefill_chunk=scheduler.prefill_chunk,
             share=scheduler.share(),
         )
         if self.recorder is not None:
