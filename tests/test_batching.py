@@ -5,6 +5,7 @@ exact per seed; a long prompt is prefilled in chunks; a failing or cancelled gen
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import pytest
@@ -214,3 +215,28 @@ def test_a_long_prompt_joins_in_pieces_while_others_decode_and_every_output_is_e
     pieces = [n for step in sizes for n in step if n > 1]
     assert max(pieces) == 16 and pieces.count(16) == 149 // 16  # the long prompt: in pieces beside the decoders
 
+
+
+@pytest.mark.slow
+def test_the_real_05b_serves_eight_concurrent_prompts_with_mixed_drafters_exactly() -> None:
+    """Qwen2.5-Coder-0.5B Q4_K_M (dtype gguf): 8 different chat prompts at once, half through the suffix drafter
+    (the suffix cache holding earlier outputs, so drafts hit) and half plain, three joining late; each reply's
+    tokens equal its solo plain greedy tokens."""
+    model = LocalModel("qwen2.5-coder-0.5b", dtype="gguf", drafter="suffix", name="real-0.5b")
+    assert model.engine.batches_rows
+    topics = ["a binary search", "a stack", "a queue", "merge sort", "a linked list", "quick sort", "a hash map",
+              "a heap"]
+    requests = [GenerationRequest(messages=[{"role": "user", "content": f"Write a Python class for {t}, briefly."}],
+                max_new_tokens=40, temperature=0, speculative=i % 2 == 0) for i, t in enumerate(topics)]
+    alone = [model.generate_sync(dataclasses.replace(r, speculative=False)) for r in requests]
+    sizes = counting(model.engine, pytest.MonkeyPatch())
+
+    async def together():
+        first = [asyncio.ensure_future(model.generate(r)) for r in requests[:5]]
+        await asyncio.sleep(0.3)
+        return await asyncio.gather(*first, *(model.generate(r) for r in requests[5:]))
+
+    got = asyncio.run(together())
+    assert [c.token_ids for c in got] == [c.token_ids for c in alone]
+    assert max(sizes) >= 5
+    assert sum(c.spec.spec_num_correct_drafts for c in got if c.spec) > 0
