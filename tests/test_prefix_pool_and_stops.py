@@ -91,3 +91,29 @@ def test_a_stop_string_before_a_stop_token_in_the_same_round_still_ends_the_text
     assert result.finish_reason == "stop" and result.matched_stop == stop
     assert result.token_ids == reference[:end]
     assert result.text == text[: end - len(stop)]
+
+
+def test_prefix_pool_holds_at_most_its_token_budget(tiny_engine_factory) -> None:
+    engine = tiny_engine_factory("llama")
+    pool = KVPrefixPool(engine, max_sessions=8, max_tokens=25)
+    prompts = [[3 + k] + list(range(10, 19)) for k in range(3)]  # 10 tokens each
+    for p in prompts:
+        session = engine.new_session()
+        engine.forward(session, p)
+        pool.release(session, p)
+    assert pool.acquire(prompts[0] + [7])[1] == 0  # the oldest went: 30 tokens would pass 25
+    assert pool.acquire(prompts[2] + [7])[1] == 10 and pool.acquire(prompts[1] + [7])[1] == 10
+    with pytest.raises(ValueError, match="max_tokens"):
+        KVPrefixPool(engine, max_tokens=0)
+
+
+def test_the_default_kv_budget_is_a_share_of_free_memory_by_the_models_kv_bytes(tiny_model_factory) -> None:
+    from thinkahead.models.local import kv_token_budget
+
+    model = tiny_model_factory("qwen2")
+    text = model.config
+    per_token = text.num_hidden_layers * 2 * text.num_key_value_heads * text.head_dim * 4
+    budget = kv_token_budget(model, share=0.5)
+    free = __import__("os").sysconf("SC_AVPHYS_PAGES") * __import__("os").sysconf("SC_PAGE_SIZE")
+    assert abs(budget - free * 0.5 / per_token) / budget < 0.2  # free memory moves a little between the reads
+    assert kv_token_budget(object()) is None

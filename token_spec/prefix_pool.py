@@ -23,13 +23,17 @@ class _Entry:
 
 
 class KVPrefixPool:
-    """Up to `max_sessions` cached sessions of one engine, least recently used evicted first."""
+    """Up to `max_sessions` cached sessions of one engine holding `max_tokens` tokens in all (None: no bound),
+    least recently used evicted first."""
 
-    def __init__(self, engine: Any, max_sessions: int = 4) -> None:
+    def __init__(self, engine: Any, max_sessions: int = 4, max_tokens: int | None = None) -> None:
         if max_sessions < 1:
             raise ValueError(f"max_sessions must be >= 1, got {max_sessions}")
+        if max_tokens is not None and max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1 or None, got {max_tokens}")
         self.engine = engine
         self.max_sessions = max_sessions
+        self.max_tokens = max_tokens
         self._entries: list[_Entry] = []  # most recently used first
         self._lock = threading.Lock()
         self.hits = 0
@@ -65,6 +69,13 @@ class KVPrefixPool:
         with self._lock:
             self._entries.insert(0, _Entry(session, list(tokens)))
             del self._entries[self.max_sessions :]
+            if self.max_tokens is not None:
+                held = 0
+                for k, entry in enumerate(self._entries):
+                    held += len(entry.tokens)
+                    if held > self.max_tokens:
+                        del self._entries[k:]
+                        break
 
     def clear(self) -> None:
         with self._lock:

@@ -29,6 +29,9 @@ from thinkahead.token_spec.grammar import GRAMMAR_KINDS, GrammarSpec, TokenGramm
 from thinkahead.token_spec.names import MAX_DRAFT, common_prefix_len
 from thinkahead.token_spec.recording import TokenRecorder
 
+KV_SESSIONS = 16  # finished generations whose KV is kept for prefix reuse (a batch of 8 runs, small and large steps)
+KV_MEMORY_SHARE = 0.25  # of the memory free at load, what the kept KV may hold by default
+
 # Chat-turn end markers of the supported families, used as stop tokens next to the eos token.
 TURN_END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<end_of_turn>", "<|eot_id|>", "<|end|>")
 
@@ -45,7 +48,10 @@ class LocalModel(LanguageModel):
         drafter: token-level drafter for speculative requests ("suffix", "prompt-lookup", ...,
             "none"); see `thinkahead.token_spec.names.SINGLE_MODEL_KINDS`.
         max_draft: largest draft per verify round.
-        kv_sessions: how many finished generations keep their KV for prefix reuse.
+        kv_sessions: how many finished generations keep their KV for prefix reuse (enough for every
+            sequence of a full batch to find its own prefix again).
+        kv_tokens: the tokens those kept caches hold in all (None: `KV_MEMORY_SHARE` of the memory free
+            at load, by the model's float32 K/V bytes per token).
     """
 
     def __init__(
@@ -57,7 +63,8 @@ class LocalModel(LanguageModel):
         dtype: str = "bfloat16",
         drafter: str = "suffix",
         max_draft: int = MAX_DRAFT,
-        kv_sessions: int = 4,
+        kv_sessions: int = KV_SESSIONS,
+        kv_tokens: int | None = None,
         cache: Any = None,
         name: str | None = None,
         record: str | os.PathLike[str] | None = None,
@@ -81,7 +88,8 @@ class LocalModel(LanguageModel):
         self.tokenizer = repair_chat_template(tokenizer)
         self.engine = HFEngine(model)
         self.suffix_cache = cache if cache is not None else SuffixCache()
-        self.prefix_pool = KVPrefixPool(self.engine, max_sessions=kv_sessions)
+        kv_tokens = kv_tokens if kv_tokens is not None else kv_token_budget(model)
+        self.prefix_pool = KVPrefixPool(self.engine, max_sessions=kv_sessions, max_tokens=kv_tokens)
         common = dict(tokenizer=tokenizer, cache=self.suffix_cache, max_draft=max_draft, prefix_pool=self.prefix_pool)
         self._speculative = build_decoder(drafter, self.engine, **common)
         self._plain = build_decoder("none", self.engine, **common)
@@ -394,6 +402,21 @@ class _Scorer:
             seq = (self.prompt + self.output)[: self.session.length]
             self.model.prefix_pool.release(self.session, seq)
             self.session = None
+
+
+def kv_token_budget(model: Any, share: float = KV_MEMORY_SHARE) -> int | None:
+    """Tokens of float32 K/V that `share` of the memory free now holds for `model` (None where either is unknown)."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    try:
+        layers, heads = int(text.num_hidden_layers), int(getattr(text, "num_key_value_heads", None) or
+                                                         text.num_attention_heads)
+        dim = int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, TypeError, ValueError, OSError):
+        return None
+    per_token = layers * 2 * heads * dim * 4
+    return max(1, int(free * share) // per_token) if per_token > 0 and free > 0 else None
 
 
 def _vocab_size(model: Any, tokenizer: Any) -> int:
