@@ -90,6 +90,10 @@ def test_suffix_settings_from_environment() -> None:
         SuffixSettings.from_env({"THINKAHEAD_SUFFIX_MAX_DEPTH": "deep"})
     with pytest.raises(ValueError, match="MIN_TOKEN_PROB"):
         SuffixSettings.from_env({"THINKAHEAD_SUFFIX_MIN_TOKEN_PROB": "2"})
+    for name in ("MAX_SPEC_FACTOR", "MAX_SPEC_OFFSET"):  # NaN and inf drafted nothing, silently
+        for value in ("nan", "inf"):
+            with pytest.raises(ValueError, match=f"THINKAHEAD_SUFFIX_{name} must be a finite number"):
+                SuffixSettings.from_env({f"THINKAHEAD_SUFFIX_{name}": value})
 
 
 @pytest.fixture

@@ -194,3 +194,22 @@ def test_request_trees_have_their_own_depth(tmp_path) -> None:
             SuffixCache(request_depth=bad)
     with pytest.raises(ValueError, match="max_depth"):
         SuffixCache(max_depth=1)
+
+
+@pytest.mark.parametrize("setting, value", [("max_spec_factor", float("nan")), ("max_spec_factor", float("inf")),
+                                            ("max_spec_offset", float("nan")), ("max_spec_offset", float("inf")),
+                                            ("max_spec_offset", float("-inf"))])
+def test_a_draft_budget_that_is_not_a_finite_number_is_refused(setting, value) -> None:
+    """NaN or inf in the budget rule floor(m * max_spec_factor + max_spec_offset) drafted nothing, silently."""
+    from thinkahead.token_spec.drafters import CombinedDrafter, SuffixDrafter
+
+    cache = SuffixCache()
+    cache.start_request("a", [1, 2, 3, 1, 2, 3])
+    message = f"{setting} must be a finite number"
+    for call in (lambda: cache.speculate("a", [1, 2, 3, 1, 2], max_tokens=4, **{setting: value}),
+                 lambda: cache.speculate_batch([("a", [1, 2, 3, 1, 2])], max_tokens=4, **{setting: value}),
+                 lambda: cache.speculate_sources("a", [1, 2, 3, 1, 2], max_tokens=4, **{setting: value}),
+                 lambda: SuffixDrafter(cache, **{setting: value}), lambda: CombinedDrafter(cache, **{setting: value})):
+        with pytest.raises(ValueError, match=message):
+            call()
+    assert cache.speculate("a", [1, 2, 3, 1, 2], max_tokens=4, max_spec_offset=-1.0).token_ids == [3]

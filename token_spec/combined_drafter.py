@@ -13,7 +13,7 @@ from typing import Any, Hashable, Sequence
 from thinkahead.token_spec import suffix_impl
 from thinkahead.token_spec.draft import Draft
 from thinkahead.token_spec.suffix_cache import SuffixCache
-from thinkahead.token_spec.suffix_drafts import _check_draft_args
+from thinkahead.token_spec.suffix_drafts import _check_draft_args, check_spec_limits
 from thinkahead.token_spec.verify import SamplingParams, children_of
 
 COMBINED_SOURCES = ("recent", "alt", "local", "global")
@@ -99,6 +99,7 @@ class CombinedDrafter:
             raise ValueError(f"max_tracked must be >= 1, got {max_tracked}")
         if list(match_bands) != sorted(set(match_bands)) or any(b < 1 for b in match_bands):
             raise ValueError(f"match_bands must be increasing match lengths >= 1, got {list(match_bands)}")
+        check_spec_limits(max_spec_factor, max_spec_offset, min_token_prob)
         self.cache = cache if cache is not None else SuffixCache()
         self.sources = tuple(sources)
         self.max_spec_factor = max_spec_factor
@@ -174,7 +175,7 @@ class CombinedDrafter:
     def _propose_native(self, live: _CombinedRequest, rid: Hashable, context: Sequence[int], budget: int) -> Draft:
         """`propose` with the four sources drafted and merged in C++: the same draft, bit for bit."""
         positions = self.cache.draft_positions(rid, context)
-        _check_draft_args(budget, self.max_spec_factor, self.min_token_prob)  # as SuffixCache.speculate_sources
+        _check_draft_args(budget, self.max_spec_factor, self.min_token_prob, self.max_spec_offset)  # as speculate_sources
         sources = suffix_impl.native_module().speculate_sources(
             *positions, budget, self.max_spec_factor, self.max_spec_offset, self.min_token_prob, True,
             self.alternatives,

@@ -26,6 +26,7 @@ import array
 from thinkahead.token_spec import suffix_impl
 from thinkahead.token_spec.draft import Draft
 from thinkahead.token_spec.suffix_cache import SuffixCache, prompt_extension
+from thinkahead.token_spec.suffix_drafts import check_spec_limits
 from thinkahead.token_spec.verify import SamplingParams
 
 
@@ -67,6 +68,7 @@ class SuffixDrafter:
         min_token_prob: float = 0.1,
         tree: bool = False,
     ) -> None:
+        check_spec_limits(max_spec_factor, max_spec_offset, min_token_prob)
         self.cache = cache if cache is not None else SuffixCache()
         self.max_spec_factor = max_spec_factor
         self.max_spec_offset = max_spec_offset

@@ -306,7 +306,7 @@ class SuffixCache(SessionsMixin):
         is matched from scratch.
         """
         req = self._request(rid)
-        _check_draft_args(max_tokens, max_spec_factor, min_token_prob)
+        _check_draft_args(max_tokens, max_spec_factor, min_token_prob, max_spec_offset)
         if not context or max_tokens == 0:
             return Draft(source="suffix")
         is_own = self._is_own(req, context)
@@ -335,7 +335,7 @@ class SuffixCache(SessionsMixin):
         For serving loops: with the native tree every request's local and global drafts are
         computed in two calls that release the GIL (`suffix_impl.speculate_many`).
         """
-        _check_draft_args(max_tokens, max_spec_factor, min_token_prob)
+        _check_draft_args(max_tokens, max_spec_factor, min_token_prob, max_spec_offset)
         out: list[Draft] = [Draft(source="suffix") for _ in requests]
         todo: list[int] = []
         local_trees, local_pos, global_pos = [], [], []
@@ -385,7 +385,7 @@ class SuffixCache(SessionsMixin):
         The last two follow `speculate`'s budget rule and probability cut-off.
         """
         self._request(rid)  # unknown requests first, as `speculate`
-        _check_draft_args(max_tokens, max_spec_factor, min_token_prob)
+        _check_draft_args(max_tokens, max_spec_factor, min_token_prob, max_spec_offset)
         if not context or max_tokens == 0:
             return {name: Draft(source=name) for name in ("recent", "alt", "local", "global")}
         params = (max_tokens, max_spec_factor, max_spec_offset, min_token_prob, tree)

@@ -4,18 +4,28 @@ from __future__ import annotations
 
 from typing import Sequence
 import array
+import math
 import operator
 
 from thinkahead.token_spec.draft import Draft
 
 
-def _check_draft_args(max_tokens: int, max_spec_factor: float, min_token_prob: float) -> None:
+def _check_draft_args(max_tokens: int, max_spec_factor: float, min_token_prob: float,
+                      max_spec_offset: float = 0.0) -> None:
     if max_tokens < 0:
         raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
-    if not 0.0 <= min_token_prob <= 1.0:
+    check_spec_limits(max_spec_factor, max_spec_offset, min_token_prob)
+
+
+def check_spec_limits(max_spec_factor: float, max_spec_offset: float, min_token_prob: float) -> None:
+    """A ValueError naming the setting unless the draft budget rule `floor(m * max_spec_factor +
+    max_spec_offset)` and the probability cut-off are real numbers (NaN or inf would draft nothing)."""
+    if not 0.0 <= min_token_prob <= 1.0:  # (false for NaN)
         raise ValueError(f"min_token_prob must be in [0, 1], got {min_token_prob}")
-    if max_spec_factor < 0:
-        raise ValueError(f"max_spec_factor must be >= 0, got {max_spec_factor}")
+    if not (math.isfinite(max_spec_factor) and max_spec_factor >= 0):
+        raise ValueError(f"max_spec_factor must be a finite number >= 0, got {max_spec_factor}")
+    if not math.isfinite(max_spec_offset):
+        raise ValueError(f"max_spec_offset must be a finite number, got {max_spec_offset}")
 
 
 def _tree_of_chains(chains: list[tuple[int, list[int]]], source: str) -> Draft:

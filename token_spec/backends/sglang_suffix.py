@@ -64,6 +64,7 @@ import numpy as np
 
 from thinkahead.token_spec.draft import Draft
 from thinkahead.token_spec.suffix_cache import SuffixCache
+from thinkahead.token_spec.suffix_drafts import check_spec_limits
 
 PINNED_SGLANG_VERSION = "0.5.23"
 ALGORITHM = "SUFFIX"
@@ -88,10 +89,11 @@ class SuffixSettings:
     def __post_init__(self) -> None:
         if self.max_depth < 2:
             raise ValueError(f"THINKAHEAD_SUFFIX_MAX_DEPTH must be >= 2, got {self.max_depth}")
-        if self.max_spec_factor < 0:
-            raise ValueError(f"THINKAHEAD_SUFFIX_MAX_SPEC_FACTOR must be >= 0, got {self.max_spec_factor}")
-        if not 0 <= self.min_token_prob <= 1:
-            raise ValueError(f"THINKAHEAD_SUFFIX_MIN_TOKEN_PROB must be in [0, 1], got {self.min_token_prob}")
+        try:
+            check_spec_limits(self.max_spec_factor, self.max_spec_offset, self.min_token_prob)
+        except ValueError as exc:  # "<setting> must ...", named as the variable that set it
+            setting, _, rest = str(exc).partition(" ")
+            raise ValueError(f"THINKAHEAD_SUFFIX_{setting.upper()} {rest}") from None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> SuffixSettings:
