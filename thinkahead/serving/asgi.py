@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import json
 import math
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from thinkahead.errors import ThinkaheadError
@@ -60,47 +60,80 @@ async def read_body(receive: Receive, limit: int) -> bytes | None:
             return bytes(body)
 
 
-def _bounded_int(text: str) -> int:
+class _Invalid:
+    """What the JSON parser's hooks put where a number or constant is refused, so that the 400 can
+    name the parameter that holds it (the hooks themselves do not know where they are)."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+def _bounded_int(text: str) -> int | _Invalid:
     if len(text.lstrip("-")) > MAX_INT_DIGITS:
-        raise ValueError(f"an integer of {len(text)} digits (at most {MAX_INT_DIGITS})")
+        return _Invalid(f"an integer of {len(text)} digits (at most {MAX_INT_DIGITS})")
     return int(text)
 
 
-def _finite_float(text: str) -> float:
+def _finite_float(text: str) -> float | _Invalid:
     value = float(text)
     if not math.isfinite(value):
-        raise ValueError(f"the number {text[:20]} is out of range")
+        return _Invalid(f"the number {text[:20]} is out of range")
     return value
 
 
-def _no_constant(text: str) -> Any:
-    raise ValueError(f"{text} is not valid JSON")
+def _no_constant(text: str) -> _Invalid:
+    return _Invalid(f"{text} is not a JSON value")
 
 
-def _depth(value: Any) -> int:
-    """How deeply lists and objects nest in `value` (iterative: no recursion limit to hit)."""
-    deepest, stack = 0, [(value, 1)]
+def param_path(path: tuple[str | int, ...]) -> str:
+    """A location in a request body as OpenAI names parameters: `messages[0].content`."""
+    out = ""
+    for part in path:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            name = part.encode("utf-8", "backslashreplace").decode("utf-8")  # a lone surrogate, escaped
+            out += f".{name}" if out else name
+    return out
+
+
+def find(value: Any, test: Callable[[Any], bool]) -> tuple[tuple[str | int, ...], Any] | None:
+    """The path and value of a value (or an object's key) in parsed JSON for which `test` holds, or
+    None; a 400 where lists and objects nest deeper than `MAX_JSON_DEPTH` (iterative: no recursion
+    limit to hit, and only containers cost a path)."""
+    if not isinstance(value, (dict, list)):
+        return ((), value) if test(value) else None
+    stack: list[tuple[tuple[str | int, ...], Any]] = [((), value)]
     while stack:
-        item, depth = stack.pop()
-        if isinstance(item, dict):
-            item = list(item.values())
-        if isinstance(item, list):
-            deepest = max(deepest, depth)
-            if depth <= MAX_JSON_DEPTH:
-                stack.extend((v, depth + 1) for v in item)
-    return deepest
+        path, item = stack.pop()
+        if len(path) >= MAX_JSON_DEPTH:
+            raise RequestError(400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels")
+        pairs: Iterable[tuple[str | int, Any]] = item.items() if isinstance(item, dict) else enumerate(item)
+        for key, child in pairs:
+            if isinstance(key, str) and test(key):
+                return path + (key,), key
+            if isinstance(child, (dict, list)):
+                stack.append((path + (key,), child))
+            elif test(child):
+                return path + (key,), child
+    return None
 
 
 def parse_json(body: bytes) -> dict[str, Any]:
-    """A request body as a JSON object, or a 400 (bad JSON, too deep, huge numbers, not an object)."""
+    """A request body as a JSON object, or a 400 (bad JSON, too deep, huge numbers, not an object;
+    a number or constant JSON does not allow is named by its parameter)."""
     try:
         data = json.loads(body, parse_int=_bounded_int, parse_float=_finite_float, parse_constant=_no_constant)
     except RecursionError:
         raise RequestError(400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels") from None
-    except (UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError is a ValueError, as are the hooks'
+    except (UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError is a ValueError
         raise RequestError(400, f"the request body is not valid JSON: {exc}") from None
-    if _depth(data) > MAX_JSON_DEPTH:
-        raise RequestError(400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels")
+    if (hit := find(data, lambda v: isinstance(v, _Invalid))) is not None:
+        param = param_path(hit[0]) or None
+        where = f" in {param!r}" if param else ""
+        raise RequestError(400, f"the request body is not valid JSON{where}: {hit[1].reason}", param=param)
     if not isinstance(data, dict):
         raise RequestError(400, "the request body must be a JSON object")
     return data

@@ -29,7 +29,7 @@ from thinkahead.models.base import (
 )
 from thinkahead.serving.asgi import RequestError, Responder, unsupported
 from thinkahead.serving.limits import check_context
-from thinkahead.serving.schemas import ChatRequest, Message, NamedToolChoice
+from thinkahead.serving.schemas import SEED_RANGE, ChatRequest, Message, NamedToolChoice
 from thinkahead.serving.tool_grammar import ANSWER_GRAMMAR, CALL_CLOSE, CALL_OPEN, tool_call_grammar
 from thinkahead.serving.tools import (
     OutputError, ParsedCall, answered_calls, call_key, forced_prefix, json_instruction, parse_json_output,
@@ -89,13 +89,20 @@ def reproducible_speculation(seed: int | None, temperature: float) -> bool:
     return seed is None or temperature == 0
 
 
+def sample_seed(seed: int, sample: int) -> int:
+    """The seed of sample `sample` of a request seeded `seed`: `seed + sample`, wrapped into OpenAI's
+    signed 64-bit range (which `seed` is in) so that a backend never gets a larger one."""
+    low, high = SEED_RANGE
+    return (seed + sample - low) % (high - low + 1) + low
+
+
 def sampled_request(req: Any, prompt: str, max_new: int, sample: int, request_id: str | None = None) -> GenerationRequest:
     """One generation of a chat or completions request: its sampling settings, sample `sample`'s seed."""
     temperature = DEFAULT_TEMPERATURE if req.temperature is None else req.temperature
     return GenerationRequest(
         prompt=prompt, max_new_tokens=max_new, temperature=temperature,
         top_p=1.0 if req.top_p is None else req.top_p, stop=req.stops,
-        seed=None if req.seed is None else req.seed + sample, session_id=req.session_id,
+        seed=None if req.seed is None else sample_seed(req.seed, sample), session_id=req.session_id,
         speculative=reproducible_speculation(req.seed, temperature), request_id=request_id)
 
 
@@ -156,11 +163,6 @@ class ChatJob:
             self.prompt = self._render(messages)
         except (ValueError, TemplateError) as exc:  # e.g. a template that refuses this order of roles
             raise RequestError(400, f"the messages cannot be rendered for {model.name!r}: {exc}", param="messages") from None
-        try:
-            self.prompt.encode("utf-8")
-        except UnicodeEncodeError as exc:  # a lone surrogate ("\ud800" in the request's JSON): no tokenizer takes it
-            raise RequestError(400, f"the messages hold text that is not valid Unicode ({exc.reason})",
-                               param="messages") from None
         self.prompt_tokens = model.count_tokens(self.prompt)
         room = check_context(self.prompt_tokens, req.max_new, model.context_length, max_param=req.max_param)
         self.max_new = req.max_new or (default_max_tokens if room is None else min(default_max_tokens, room))

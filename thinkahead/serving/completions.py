@@ -21,7 +21,7 @@ from thinkahead.models.base import Completion, GenerationRequest, LanguageModel,
 from thinkahead.serving.asgi import RequestError, Responder, unsupported
 from thinkahead.serving.chat import Spent, can_score, sampled_request
 from thinkahead.serving.limits import check_context
-from thinkahead.serving.schemas import CompletionRequest
+from thinkahead.serving.schemas import CompletionRequest, Prompt, check_token_id, prompt_tokens
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens of /v1/completions
 
@@ -37,6 +37,17 @@ def prompts_of(req: CompletionRequest) -> list[str | list[int]]:
     return list(p)  # type: ignore[arg-type]
 
 
+def check_vocabulary(prompt: Prompt, tokenizer: Any, model_name: str) -> None:
+    """A 400 naming the first token id of `prompt` that the model's tokenizer does not hold (it
+    would decode to nothing, or fail); the schema has checked the ids' type and sign."""
+    vocab_size = len(tokenizer) if tokenizer is not None else 0
+    for where, token in prompt_tokens(prompt):
+        try:
+            check_token_id(token, where, vocab_size)
+        except ValueError as exc:
+            raise RequestError(400, f"{exc} of model {model_name!r}", param="prompt") from None
+
+
 class CompletionJob:
     def __init__(self, model: LanguageModel, req: CompletionRequest) -> None:
         self.model, self.req = model, req
@@ -48,6 +59,7 @@ class CompletionJob:
         tokenizer = getattr(model, "tokenizer", None)
         if any(isinstance(p, list) for p in self.prompts) and tokenizer is None:
             raise unsupported("prompt", f"as token ids by model {model.name!r} (it has no tokenizer)")
+        check_vocabulary(req.prompt, tokenizer, model.name)
         self.texts = [p if isinstance(p, str) else tokenizer.decode(p) for p in self.prompts]
         self.max_new = DEFAULT_COMPLETION_TOKENS if req.max_tokens is None else req.max_tokens
         self.prompt_tokens = []

@@ -7,15 +7,19 @@ too. Nothing is dropped silently. `null` means "not given" for every optional fi
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from thinkahead.serving.asgi import RequestError, unsupported
+from thinkahead.serving.asgi import RequestError, find, param_path, unsupported
 
 MAX_N = 16  # choices per request
 MAX_STOP = 4  # stop strings per request (OpenAI's limit)
 MAX_TOP_LOGPROBS = 20
+SEED_RANGE = (-(2**63), 2**63 - 1)  # OpenAI's: a signed 64-bit integer
+MAX_TOKENS_LIMIT = 2**31 - 1  # max_tokens and token ids: a signed 32-bit integer (a model's context is far smaller)
+PROMPT_KINDS = "a string, a list of strings, a list of token ids or a list of lists of token ids"
 
 # OpenAI parameters this server accepts only at their neutral value (what leaving them out means).
 NEUTRAL: dict[str, tuple[Any, ...]] = {
@@ -125,7 +129,7 @@ class _Request(BaseModel):
     n: int = Field(default=1, ge=1, le=MAX_N)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     stop: str | list[str] | None = None
     user: str | None = None
     session_id: str | None = Field(default=None, min_length=1)  # extension: an agent session
@@ -137,8 +141,8 @@ class _Request(BaseModel):
 
 class ChatRequest(_Request):
     messages: list[Message] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     response_format: ResponseFormat | None = None
@@ -155,28 +159,69 @@ class ChatRequest(_Request):
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
 
+Prompt = str | list[str] | list[int] | list[list[int]]  # a /v1/completions prompt
+
+
 class CompletionRequest(_Request):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(default=None, ge=0)
+    prompt: Prompt
+    max_tokens: int | None = Field(default=None, ge=0, le=MAX_TOKENS_LIMIT)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, value: Any) -> Any:
+        """One of the four shapes, token ids in range; the error names the first item that is wrong
+        (a plain union would report only that the prompt is not a string)."""
+        if not isinstance(value, (str, list)):
+            raise ValueError(f"must be {PROMPT_KINDS}")
+        for where, token in prompt_tokens(value):
+            if isinstance(token, bool) or not isinstance(token, int):
+                raise ValueError(f"must be {PROMPT_KINDS}; {where} is {token!r}")
+            check_token_id(token, where, MAX_TOKENS_LIMIT + 1)
+        return value
+
+
+def prompt_tokens(prompt: Any) -> Iterator[tuple[str, Any]]:
+    """`(where, item)` for each item of a prompt given as token ids (`prompt[3]`, `prompt[1][3]`);
+    nothing for a prompt given as text."""
+    if isinstance(prompt, str) or all(isinstance(x, str) for x in prompt):
+        return
+    nested = all(isinstance(x, list) for x in prompt)
+    for i, row in enumerate(prompt if nested else [prompt]):
+        for j, token in enumerate(row):
+            yield (f"prompt[{i}][{j}]" if nested else f"prompt[{j}]"), token
+
+
+def check_token_id(token: int, where: str, vocab_size: int) -> None:
+    """A ValueError naming `where` unless `token` is a token id below `vocab_size`."""
+    if not 0 <= token < vocab_size:
+        raise ValueError(f"{where} is {token}, not a token id (0 to {vocab_size - 1})")
+
+
+def has_lone_surrogate(value: Any) -> bool:
+    """Whether `value` is a string that UTF-8 cannot encode (`"\\ud800"` in JSON decodes to one)."""
+    if not isinstance(value, str):
+        return False
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def _param(loc: tuple[Any, ...]) -> str:
     """A pydantic location as OpenAI names parameters: `messages[0].role`."""
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif "[" in str(part) or str(part) in ("str", "int", "float", "bool", "function-after"):
-            continue  # a union branch's name, not a field
-        else:
-            out += f".{part}" if out else str(part)
-    return out
+    union_branch = ("str", "int", "float", "bool", "function-after", "function-before")
+    return param_path(tuple(p for p in loc if isinstance(p, int) or ("[" not in p and p not in union_branch)))
 
 
 def parse_request(cls: type[_Request], data: dict[str, Any]) -> Any:
     """`data` as a `cls`, or a 400 naming the first field that is wrong, unknown or unsupported."""
+    if (hit := find(data, has_lone_surrogate)) is not None:
+        param = param_path(hit[0])
+        raise RequestError(400, f"{param!r} holds a lone surrogate ({ascii(hit[1])[:40]}): "
+                                "strings must be valid Unicode (UTF-8)", param=param)
     data = {k: v for k, v in data.items() if v is not None}  # null is "not given"
     if isinstance(data.get("messages"), list):  # clients echo replies back with their null fields
         data["messages"] = [{k: v for k, v in m.items() if v is not None and not (k == "annotations" and v == [])}
@@ -190,7 +235,8 @@ def parse_request(cls: type[_Request], data: dict[str, Any]) -> Any:
             raise RequestError(400, f"{param!r} is required", param=param) from None
         got = repr(err.get("input"))
         got = got if len(got) <= 80 else got[:77] + "..."
-        raise RequestError(400, f"{param!r}: {err['msg']} (got {got})", param=param) from None
+        message = err["msg"].removeprefix("Value error, ")
+        raise RequestError(400, f"{param!r}: {message} (got {got})", param=param) from None
     for name, value in (request.model_extra or {}).items():
         if name in NEUTRAL:
             if value not in NEUTRAL[name]:

@@ -94,7 +94,10 @@ def split_history(req: ChatRequest, use_tools: bool) -> tuple[str, str]:
         else:
             raise RequestError(400, "after the question, only assistant tool calls and tool results may follow, "
                                     f"got role {m.role!r}", param="messages")
-    return fold(messages[:last_user + 1]), transcript
+    question = fold(messages[:last_user + 1])
+    if not question.strip():  # a workflow cannot reason about nothing
+        raise RequestError(400, "the question (the last user message) is empty", param=f"messages[{last_user}].content")
+    return question, transcript
 
 
 def react_arguments(tool: ToolDef, text: str) -> dict[str, Any]:
