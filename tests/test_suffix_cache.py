@@ -213,3 +213,34 @@ def test_a_draft_budget_that_is_not_a_finite_number_is_refused(setting, value) -
         with pytest.raises(ValueError, match=message):
             call()
     assert cache.speculate("a", [1, 2, 3, 1, 2], max_tokens=4, max_spec_offset=-1.0).token_ids == [3]
+
+
+@pytest.mark.parametrize("max_tokens", [2**31, 2**62, -1, True, 2.0])
+def test_a_draft_budget_beyond_a_c_int_or_not_an_integer_is_refused(max_tokens) -> None:
+    """2**62 reached the native tree and raised pybind's dump of its signature."""
+    cache = SuffixCache()
+    cache.start_request("a", [1, 2, 3, 1, 2, 3])
+    with pytest.raises(ValueError, match=r"max_tokens must be an integer from 0 to 2147483647"):
+        cache.speculate("a", [1, 2, 3, 1, 2], max_tokens=max_tokens)
+
+
+@pytest.mark.parametrize("prompt, message", [
+    ([1, True], "must hold integer token ids, found a bool"),
+    ((1, False), "must hold integer token ids, found a bool"),
+    (iter([1, True]), "must hold integer token ids, found a bool"),
+    ("numpy-2d", "must be a 1-D sequence of token ids, got a 2-D ndarray"),  # raised StopIteration
+    ("numpy-bool", "must hold integer token ids, found a bool"),
+    ([1, 2.5], "must hold integer token ids, found 2.5"),
+    ([2**64], "must hold token ids below 2\\*\\*63"),  # an OverflowError in the native tree
+])
+def test_token_ids_that_are_not_integers_are_refused_by_name(prompt, message) -> None:
+    import numpy as np
+
+    prompt = {"numpy-2d": np.array([[1, 2], [3, 4]]), "numpy-bool": np.array([True, False])}.get(prompt, prompt) \
+        if isinstance(prompt, str) else prompt
+    cache = SuffixCache()
+    with pytest.raises(ValueError, match=f"prompt_ids {message}"):
+        cache.start_request("a", prompt)
+    cache.start_request("b", np.array([1, 2, 3]))  # a 1-D array is a sequence of ids
+    with pytest.raises(ValueError, match="token_ids must hold integer token ids, found a bool"):
+        cache.extend("b", [4, True])
