@@ -243,13 +243,32 @@ class SGLangGenerationRoutes:
                                       "video_tokens": None} if self.enable_cache_report else None,
             "reasoning_tokens": 0, "completion_tokens_details": None,
         }
-        return json_reply(200, {
+        reply = {
             "id": out["rid"], "object": "text_completion", "created": int(time.time()),
             "model": body.get("model") or self.served_model_name,
             "choices": [{"index": 0, "text": out["text"], "logprobs": logprobs, "finish_reason": reason,
                          "matched_stop": finish.get("matched")}],
             "usage": usage, "metadata": None,
-        })
+        }
+        if body.get("stream"):
+            return Stream(self._completion_events(reply))
+        return json_reply(200, reply)
+
+    async def _completion_events(self, reply: dict[str, Any]) -> AsyncIterator[bytes]:
+        """/v1/completions streamed as SGLang does: text deltas of `stream_chunk` characters, each choice with
+        `finish_reason` and `matched_stop` (null until the last event), then [DONE]."""
+        choice = reply["choices"][0]
+        text, n = choice["text"], self.stream_chunk
+        cuts = list(range(0, len(text), n)) or [0]
+        for k, at in enumerate(cuts):
+            last = k == len(cuts) - 1
+            event = {"id": reply["id"], "object": "text_completion", "created": reply["created"],
+                     "model": reply["model"], "choices": [{
+                         "index": 0, "text": text[at:at + n], "logprobs": None,
+                         "finish_reason": choice["finish_reason"] if last else None,
+                         "matched_stop": choice["matched_stop"] if last else None}]}
+            yield f"data: {json.dumps(event)}\n\n".encode()
+        yield b"data: [DONE]\n\n"
 
 
 def _histogram(correct: int, verify_ct: int, num_draft_tokens: int) -> list[int]:

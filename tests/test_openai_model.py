@@ -51,6 +51,8 @@ class FakeOpenAIServer(FakeHttpServer):
         self.health_failures = 0  # /health answers 503 this many times first
         self.in_flight = 0
         self.max_in_flight = 0
+        self.chunk_chars = 3  # a streamed completion's text per chunk
+        self.chunks_sent: list[int] = []  # per streamed completion, the chunks written before it ended
 
     @property
     def base_url(self) -> str:
@@ -96,9 +98,29 @@ class FakeOpenAIServer(FakeHttpServer):
                 return Reply(200, b'{"id": "cmpl-x", "choices": [')
             if fault == "slow":
                 await asyncio.sleep(SLOW_S)
+            if payload.get("stream"):
+                return Stream(self._chunks(self._completion(payload, abort=fault == "abort")))
             return json_reply(200, self._completion(payload, abort=fault == "abort"))
         finally:
             self.in_flight -= 1
+
+    async def _chunks(self, reply: dict[str, Any]):
+        """A completion streamed as llama.cpp and vLLM do: `chunk_chars` of text per event, the finish reason on
+        the last one, `stop_field` (where set) on each (null until the last, as vLLM writes `stop_reason`), then
+        [DONE]; paced so a client can leave early."""
+        choice = reply["choices"][0]
+        text, n = choice["text"], self.chunk_chars
+        pieces = [text[i:i + n] for i in range(0, len(text), n)] or [""]
+        self.chunks_sent.append(0)
+        for k, piece in enumerate(pieces):
+            last = k == len(pieces) - 1
+            out = {"index": 0, "text": piece, "finish_reason": choice["finish_reason"] if last else None}
+            if self.stop_field:
+                out[self.stop_field] = choice.get(self.stop_field) if last else None
+            yield f"data: {json.dumps({'id': reply['id'], 'object': 'text_completion', 'choices': [out]})}\n\n".encode()
+            self.chunks_sent[-1] += 1
+            await asyncio.sleep(0.01)
+        yield b"data: [DONE]\n\n"
 
     def _completion(self, payload: dict[str, Any], abort: bool = False) -> dict[str, Any]:
         prompt = payload["prompt"]
@@ -208,14 +230,19 @@ def test_stop_and_max_tokens_are_sent_and_mapped(server: FakeOpenAIServer) -> No
     model = make_model(server)
 
     async def go(m: OpenAIModel) -> Any:
+        learned = await m.generate(GenerationRequest(prompt="think:", stop=["\n\n", "</think>"]))
         stopped = await m.generate(GenerationRequest(prompt="think:", stop=["\n\n", "</think>"]))
         capped = await m.generate(GenerationRequest(prompt="think:", max_new_tokens=1))
-        return stopped, capped
+        return learned, stopped, capped
 
-    stopped, capped = run_model(model, go)
-    assert server.requests[0]["stop"] == ["\n\n", "</think>"]
+    learned, stopped, capped = run_model(model, go)
+    # a server not known yet streams (cut client-side); its chunks carry vLLM's stop_reason, so from then on
+    # the stops go to the server
+    assert server.requests[0]["stream"] is True and "stop" not in server.requests[0]
+    assert learned.text == "step one" and learned.matched_stop == "\n\n"
+    assert server.requests[1]["stop"] == ["\n\n", "</think>"] and "stream" not in server.requests[1]
     assert stopped.text == "step one" and stopped.finish_reason == "stop" and stopped.matched_stop == "\n\n"
-    assert server.requests[1]["max_tokens"] == 1
+    assert server.requests[2]["max_tokens"] == 1
     assert capped.text == "step" and capped.finish_reason == "length" and capped.matched_stop is None
 
 
@@ -225,9 +252,45 @@ def test_sglang_matched_stop_and_missing_stop_field(server: FakeOpenAIServer) ->
     model = make_model(server)
     out = run_model(model, lambda m: m.generate(GenerationRequest(prompt="x", stop=["</step>"])))
     assert out.text == "a" and out.matched_stop == "</step>"
-    server.stop_field = None
+    server.stop_field = None  # the same model object: it learned that this server reports stops
     out = run_model(model, lambda m: m.generate(GenerationRequest(prompt="x", stop=["</step>"])))
-    assert out.text == "a" and out.matched_stop is None
+    assert out.text == "a" and out.matched_stop is None  # what the server said (nothing), not a guess
+
+
+def test_a_server_that_never_says_which_stop_ended_a_text_is_streamed_and_cut_client_side(server) -> None:
+    """llama.cpp's OpenAI endpoint reports neither `stop_reason` nor `matched_stop`: the step loop must still
+    know a step boundary ("\n\n") from the end of the answer (an end-of-text token) and from the length."""
+    server.stop_field = None
+    server.responder = lambda p: "Step 1: 6 * 7 = 42.\n\nStep 2: so the answer is 42. " + "More words. " * 40
+    model = make_model(server)
+    step = run_model(model, lambda m: m.generate(GenerationRequest(prompt="q", stop=["\n\n", "</s>"])))
+    assert step.text == "Step 1: 6 * 7 = 42." and step.finish_reason == "stop" and step.matched_stop == "\n\n"
+    sent = server.requests[-1]
+    assert sent["stream"] is True and "stop" not in sent  # the server was not told the stops
+    total = -(-len(server.responder({})) // server.chunk_chars)
+    time.sleep(0.2)
+    assert server.chunks_sent[-1] < total // 2  # the stream was closed at the boundary, not read to its end
+    server.responder = lambda p: "The answer is 42."  # ends at an end-of-text token: no stop string
+    end = run_model(model, lambda m: m.generate(GenerationRequest(prompt="q", stop=["\n\n"])))
+    assert end.text == "The answer is 42." and end.finish_reason == "stop" and end.matched_stop is None
+    server.responder = lambda p: "one two three four five"
+    capped = run_model(model, lambda m: m.generate(GenerationRequest(prompt="q", stop=["\n\n"], max_new_tokens=2)))
+    assert capped.text == "one two" and capped.finish_reason == "length" and capped.matched_stop is None
+    server.chunk_chars = 1  # a stop string split over chunks
+    step = run_model(model, lambda m: m.generate(GenerationRequest(prompt="q", stop=["</step>"])))
+    assert step.text == "one two three four five" and step.matched_stop is None
+    server.responder = lambda p: "ab</step>cd"
+    step = run_model(model, lambda m: m.generate(GenerationRequest(prompt="q", stop=["</step>"])))
+    assert step.text == "ab" and step.matched_stop == "</step>"
+    assert not model.reports_stops
+
+
+def test_first_stop_finds_the_earliest_stop_string() -> None:
+    from thinkahead.models.openai import first_stop
+
+    assert first_stop("a\n\nb</s>", ["</s>", "\n\n"]) == (1, "\n\n")
+    assert first_stop("ab", ["x"]) is None and first_stop("xax", ["x"], start=1) == (2, "x")
+    assert first_stop("a</s>", ["</s", "</s>"]) == (1, "</s>")
 
 
 def test_abort_finish_reason_raises(server: FakeOpenAIServer) -> None:

@@ -5,14 +5,20 @@ raw text: a prompt rendered once (with the model's chat template when a tokenize
 `render`) and then extended step by step, including partial assistant messages. Chat completions
 would re-template every call and cannot continue an open assistant message portably.
 
-Server extensions are read where present: `stop_reason` (vLLM) or `matched_stop` (SGLang) give
-`Completion.matched_stop`; `usage.prompt_tokens_details.cached_tokens` gives `cached_tokens`.
+Which stop string ended a generation (a step boundary, not the end of the answer) is known on every
+server, never guessed: vLLM's `stop_reason` and SGLang's `matched_stop` say it; a server that reports
+neither (llama.cpp's OpenAI endpoint, others) gets requests with stop strings streamed without them,
+cut client-side at the first stop string, the stream closed there (the server stops generating). A
+server is taken to report stops once a reply or chunk carries either field; until then, streaming.
+`usage.prompt_tokens_details.cached_tokens` gives `cached_tokens`.
 Token-level speculation (`GenerationRequest.speculative`) is the server's business and is not sent.
 Transport, retries and errors come from `thinkahead.models.http.HttpClient`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import time
 from collections.abc import Mapping
@@ -56,6 +62,7 @@ class OpenAIModel(LanguageModel):
     """
 
     grammar_kinds = ("json_schema",)
+    STOP_FIELDS = ("stop_reason", "matched_stop")  # vLLM's, SGLang's: which stop string ended the text
 
     def __init__(
         self,
@@ -76,6 +83,7 @@ class OpenAIModel(LanguageModel):
         self.name = model
         self.tokenizer = resolve_tokenizer(tokenizer)
         self.extra_body: dict[str, Any] = dict(extra_body or {})
+        self.reports_stops = False  # whether the server says which stop string ended a text (STOP_FIELDS)
         self.client = HttpClient(
             base_url,
             timeout_s=timeout_s,
@@ -110,6 +118,8 @@ class OpenAIModel(LanguageModel):
             payload["response_format"] = {"type": "json_schema", "json_schema": {
                 "name": "output", "schema": plain_schema(request.grammar), "strict": True}}
         start = time.perf_counter()
+        if request.stop and not self.reports_stops:
+            return await self._generate_cut(request, payload, prompt, start)
         try:
             reply = await self.client.post_json("/completions", payload)
         except ModelServerError as exc:
@@ -126,12 +136,8 @@ class OpenAIModel(LanguageModel):
         text = choice.get("text")
         if not isinstance(text, str):
             raise ModelServerError(f"completions reply has no text in choices[0]: {choice!r}"[:500])
-        finish = choice.get("finish_reason")
-        if finish not in ("stop", "length"):
-            raise ModelServerError(
-                f"generation ended with finish_reason={finish!r} (expected 'stop' or 'length')"
-                f" for request {request.request_id or '?'}"
-            )
+        finish = self._finish(choice.get("finish_reason"), request)
+        self.reports_stops = self.reports_stops or any(f in choice for f in self.STOP_FIELDS)
         matched = choice.get("matched_stop", choice.get("stop_reason"))
         # Servers report a stop *token id* (an int) when an EOS-like token ended the text; only a
         # stop string is a `matched_stop` in our sense.
@@ -149,6 +155,54 @@ class OpenAIModel(LanguageModel):
             time_s=elapsed,
             model=str(reply.get("model") or self.model),
         ))
+
+    async def _generate_cut(self, request: GenerationRequest, payload: dict[str, Any], prompt: str,
+                            start: float) -> Completion:
+        """The generation streamed without server-side stop strings, cut at the first of `request.stop` that
+        the text holds (the stream closed there), so the stop string that ended it is known."""
+        payload = {k: v for k, v in payload.items() if k != "stop"} | {"stream": True}
+        text, finish, matched, first_s, events_read = "", None, None, None, 0
+        longest = max(len(s) for s in request.stop)
+        async with contextlib.aclosing(self.client.stream_lines("/completions", payload)) as events:
+            async for event in events:
+                events_read += 1
+                try:
+                    chunk = json.loads(event)
+                except ValueError as exc:
+                    raise ModelServerError(f"a completions stream event is not JSON: {event!r}"[:500]) from exc
+                choice = self._first_choice(chunk if isinstance(chunk, dict) else {})
+                self.reports_stops = self.reports_stops or any(f in choice for f in self.STOP_FIELDS)
+                piece = choice.get("text") or ""
+                if not isinstance(piece, str):
+                    raise ModelServerError(f"a completions stream chunk has no text: {choice!r}"[:500])
+                if piece and first_s is None:
+                    first_s = time.perf_counter() - start
+                searched = max(0, len(text) - longest + 1)  # a stop string may straddle two chunks
+                text += piece
+                hit = first_stop(text, request.stop, searched)
+                if hit is not None:
+                    text, finish, matched = text[:hit[0]], "stop", hit[1]
+                    break  # closing the stream ends the generation on the server
+                if choice.get("finish_reason") is not None:
+                    finish = choice["finish_reason"]
+        if not events_read:
+            raise ModelServerError(f"{self.model}: a streamed /completions request got no server-sent events (the "
+                                   "server must stream completions to say where a stop string ended a text)")
+        finish = self._finish(finish, request)
+        return observed(Completion(
+            text=text, finish_reason=finish, matched_stop=matched, prompt_tokens=self.count_tokens(prompt),
+            completion_tokens=self.count_tokens(text), time_s=time.perf_counter() - start,
+            first_token_s=first_s if first_s is not None else 0.0,
+            model=self.model))
+
+    @staticmethod
+    def _finish(finish: Any, request: GenerationRequest) -> str:
+        if finish not in ("stop", "length"):
+            raise ModelServerError(
+                f"generation ended with finish_reason={finish!r} (expected 'stop' or 'length')"
+                f" for request {request.request_id or '?'}"
+            )
+        return finish
 
     async def next_token_logprobs(self, prompt: str, top_k: int = 20) -> dict[str, float]:
         if not isinstance(prompt, str):
@@ -200,6 +254,16 @@ class OpenAIModel(LanguageModel):
         if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
             raise ModelServerError(f"completions reply has no choices: {reply!r}"[:500])
         return choices[0]
+
+
+def first_stop(text: str, stops: list[str], start: int = 0) -> tuple[int, str] | None:
+    """(where, which) for the stop string that occurs first in `text` at or after `start` (the longer of two at
+    one place, as a server matching them in order would end at the earlier), or None."""
+    hits = [(text.find(s, start), -len(s), s) for s in stops if s and text.find(s, start) >= 0]
+    if not hits:
+        return None
+    at, _, stop = min(hits)
+    return at, stop
 
 
 def _int(value: Any, default: int) -> int:
