@@ -6,8 +6,10 @@ them, so that a resume under another configuration is refused instead of mixing 
 
 Reading never changes a file: a reader skips an unterminated last line (a write cut short by a
 kill) and reports its size in `torn_bytes`. Only a writer that has recognised the file as its own
-kind of log cuts that tail, and it first copies the cut bytes to `PATH.torn` and logs a warning,
-so nothing is ever silently deleted. A file that is not a log of the right kind is never written.
+kind of log cuts that tail, and it first copies the cut bytes to `PATH.torn` and says where in
+`moved_torn_to`, so nothing is ever silently deleted (the command line reports either once; the
+log has them at INFO). A file that is not a log of the right kind is never written. A writer
+creates the file's own folder where it is missing, not the folders above it.
 
 Files written before logs had headers ("legacy") are read as they are; a writer with a
 configuration refuses to resume one, because its configuration is unknown.
@@ -38,6 +40,24 @@ class LogError(ThinkaheadError, ValueError):
 def cannot_write(path: str | os.PathLike[str] | None, exc: OSError) -> str:
     """The one-line message for an output `path` the system refused to create or write (`exc` says why)."""
     return f"cannot write {path}: {exc.strerror or exc}"
+
+
+def make_parent(path: Path) -> None:
+    """Create the folder `path` goes in where it is missing, that folder only (a mistyped path does not
+    grow a tree of folders up to the root); a `LogError` naming the part of the path that is wrong."""
+    folder = path.parent
+    try:
+        if folder.is_dir():
+            return
+        for above in (folder, *folder.parents):
+            if os.path.lexists(above) and not above.is_dir():
+                raise LogError(f"cannot write {path}: {above} is not a folder")
+        if not folder.parent.is_dir():
+            raise LogError(f"cannot write {path}: folder {folder.parent} does not exist (only the file's own "
+                           f"folder, {folder.name}, is created)")
+        folder.mkdir(exist_ok=True)  # (another writer may make it meanwhile)
+    except OSError as exc:
+        raise LogError(f"cannot write {path}: cannot create its folder {folder}: {exc.strerror or exc}") from None
 
 
 def config_differences(old: Mapping[str, Any], new: Mapping[str, Any], prefix: str = "") -> list[str]:
@@ -100,8 +120,8 @@ class JsonlLog:
                 for lineno, raw in enumerate(f, 1):
                     if not raw.endswith(b"\n"):
                         self.torn_bytes = len(raw)
-                        log.warning("%s:%d: skipping an unterminated last line (%d bytes; a write cut short?)",
-                                    self.path, lineno, len(raw))
+                        log.info("%s:%d: skipping an unterminated last line (%d bytes; a write cut short?)",
+                                 self.path, lineno, len(raw))  # (callers report `torn_bytes` themselves)
                         return
                     yield lineno, raw
         except OSError as exc:  # unreadable (permissions, /proc/self/mem): the file and the line it stopped at
@@ -152,8 +172,8 @@ class JsonlLog:
         """
         if self._fd is not None:
             return
+        make_parent(self.path)
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         except OSError as exc:
             raise LogError(cannot_write(self.path, exc)) from None
@@ -205,8 +225,8 @@ class JsonlLog:
             f.truncate(keep)
             f.flush()
             os.fsync(f.fileno())
-        log.warning("%s: an unterminated last line (%d bytes, a write cut short) was moved to %s",
-                    self.path, len(tail), side)
+        log.info("%s: an unterminated last line (%d bytes, a write cut short) was moved to %s",
+                 self.path, len(tail), side)  # (callers report `moved_torn_to` themselves)
         self.torn_bytes = 0
         self.moved_torn_to = side
 

@@ -46,7 +46,9 @@ def test_run_reports_bad_lines_writes_results_resumes_and_traces(tiny_model_dir,
 
     again = CliRunner().invoke(main, ["run", str(tasks), *base_args(tiny_model_dir, out)])
     assert again.exit_code == 0, again.output
-    assert "resuming: 2 of 2 tasks already" in again.output
+    assert "resuming: 2 of 2 tasks already" in again.output and "nothing to run" in again.output
+    assert "loading" not in again.output and "models ready" not in again.output  # no model loads for nothing
+    assert "cot/specreason" in again.output  # the summary of what is there
     assert len(list(ResultStore(out))) == 2  # nothing ran twice
 
     shown = CliRunner().invoke(main, ["trace", str(out), "--id", "a"])

@@ -80,6 +80,39 @@ def test_a_writer_moves_a_torn_tail_aside_before_appending(tmp_path):
     assert (tmp_path / "runs.jsonl.torn").read_bytes() == torn + b"\n"  # the cut bytes are kept
 
 
+def test_a_torn_line_is_reported_once_by_the_command_line_not_again_by_a_warning(tmp_path, caplog):
+    """The reader's and the writer's log lines were warnings, shown beside the CLI's own line: twice."""
+    from click.testing import CliRunner
+
+    from thinkahead.cli import main
+
+    path, torn = store_with_torn_tail(tmp_path)
+    with caplog.at_level("INFO"):
+        shown = CliRunner().invoke(main, ["trace", str(path)])
+        with ResultStore(path) as store:
+            store.append(run_record("2"))
+    assert shown.exit_code == 0, shown.output
+    assert [line for line in shown.output.splitlines() if "unterminated" in line] == [
+        f"{path}: skipped an unterminated last line ({len(torn)} bytes; a write cut short)"]
+    levels = {r.levelname for r in caplog.records if "unterminated" in r.getMessage()}
+    assert levels == {"INFO"}  # (reads and the move, for whoever logs at INFO)
+
+
+def test_a_writer_creates_the_files_own_folder_only(tmp_path):
+    """It made every missing folder up to the root; a file on the way said only "File exists"."""
+    ResultStore(tmp_path / "new" / "runs.jsonl").append(run_record("1"))
+    assert [r.id for r in ResultStore(tmp_path / "new" / "runs.jsonl")] == ["1"]
+    with pytest.raises(ValueError, match=r"folder .*/missing does not exist \(only the file's own folder, deeper, is"):
+        ResultStore(tmp_path / "missing" / "deeper" / "runs.jsonl").open_for_append()
+    assert not (tmp_path / "missing").exists()
+    plain = tmp_path / "plain.txt"
+    plain.write_text("x")
+    for path in (plain / "runs.jsonl", plain / "a" / "b" / "runs.jsonl"):
+        with pytest.raises(ValueError, match=f"cannot write {path}: {plain} is not a folder"):
+            ResultStore(path).open_for_append()
+    assert plain.read_text() == "x"
+
+
 def test_a_resume_reads_the_store_once(tmp_path, monkeypatch):
     """`open_for_append` keeps each run's last status as it checks the file; `done_ids` of the open store
     answers from it (and from what was appended since) without reading the file again."""

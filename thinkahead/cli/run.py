@@ -67,18 +67,22 @@ def run(input_path, workflow, policy, out, limit, concurrency, checker, on_bad_l
     todo = [t for t in tasks.tasks if t.id not in done]
     if done:
         click.echo(f"resuming: {len(tasks.tasks) - len(todo)} of {len(tasks.tasks)} tasks already in {out}", err=True)
-    load_models(orch)
-    progress = Progress(len(todo))
-    items = [(t.id, t.inputs, {"reference": t.reference} if t.reference is not None else {}) for t in todo]
-    try:
-        asyncio.run(orch.map(items, store=store, on_result=progress.on_result, listeners=[progress.on_event],
-                             annotate=grader(checker)))
-    except KeyboardInterrupt:
-        progress.close()
-        raise click.ClickException(f"interrupted; finished runs are in {out}, run the same command to resume")
-    finally:
+    if not todo:  # nothing to run: no model is loaded
         store.close()
-    progress.close()
+        click.echo(f"nothing to run: every task is in {out}", err=True)
+    else:
+        load_models(orch)
+        progress = Progress(len(todo))
+        items = [(t.id, t.inputs, {"reference": t.reference} if t.reference is not None else {}) for t in todo]
+        try:
+            asyncio.run(orch.map(items, store=store, on_result=progress.on_result, listeners=[progress.on_event],
+                                 annotate=grader(checker)))
+        except KeyboardInterrupt:
+            progress.close()
+            raise click.ClickException(f"interrupted; finished runs are in {out}, run the same command to resume")
+        finally:
+            store.close()
+        progress.close()
     ids = {t.id for t in tasks.tasks}
     results = [r for rid, r in ResultStore(out).latest().items() if rid in ids]
     click.echo(summary_table([(f"{orch.config.workflow}/{orch.config.policy.name}", summarize(results))]))
