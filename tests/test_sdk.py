@@ -184,3 +184,42 @@ def test_agent_sessions_reach_the_local_suffix_cache(tiny_model_dir):
     assert second.ok and cache.session_stats.session_starts == 1  # the next turn continued the same session
     orch.run_sync("cot", "w5 w6", id="solo")
     assert "solo/answer" not in cache.sessions and cache.session_stats.sessions_ended == 1  # ended with its run
+
+
+def test_a_bad_setting_is_one_plain_value_error_naming_the_field():
+    """A registry name that does not exist came wrapped in pydantic's 19-line report."""
+    from pydantic import ValidationError
+
+    with pytest.raises(ValueError) as info:
+        Orchestrator(small="qwen-nosuch", large="qwen2.5-coder-0.5b")
+    assert not isinstance(info.value, ValidationError)
+    message = str(info.value)
+    assert message.startswith("Orchestrator: small.spec: cannot resolve model spec 'qwen-nosuch'") and "\n" not in message
+    assert "qwen2.5-coder-0.5b" in message  # the registry names it could have been
+
+
+def test_a_hub_model_missing_from_the_local_cache_is_refused_at_construction(tmp_path, monkeypatch):
+    """`hf:nosuch/model` was accepted, then the first run failed with a 99-line OSError from transformers."""
+    from click.testing import CliRunner
+    from huggingface_hub import constants
+
+    from thinkahead.cli import main
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    small, large = scripted_pair()
+    for spec in ("hf:nosuch/model", "nosuch/model"):
+        with pytest.raises(ValueError, match=r"nosuch/model is not in the local Hugging Face cache .*hf download"):
+            Orchestrator(small=spec, large=large)
+    tasks = tmp_path / "t.jsonl"
+    tasks.write_text('{"question": "q"}\n')
+    result = CliRunner().invoke(main, ["run", str(tasks), "-o", str(tmp_path / "r.jsonl"), "--small", "hf:nosuch/model"])
+    assert result.exit_code == 2 and "small model: model spec 'hf:nosuch/model'" in result.output
+    assert "Traceback" not in result.output and not (tmp_path / "r.jsonl").exists()
+    snapshot = tmp_path / "hub" / "models--org--cached" / "snapshots" / "abc"  # a model in the cache passes
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (tmp_path / "hub" / "models--org--cached" / "refs").mkdir()
+    (tmp_path / "hub" / "models--org--cached" / "refs" / "main").write_text("abc")
+    assert Orchestrator(small="hf:org/cached", large=large).config.small.spec == "hf:org/cached"
+    given = Orchestrator(small, large, LLM_SPECREASON, config={"small": "hf:nosuch/model"})
+    assert given.small is small  # an instance stands in for the spec

@@ -24,11 +24,12 @@ import os
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Mapping
 from typing import Any, TypeVar
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
-from thinkahead.config import OrchestratorConfig
+from thinkahead.config import OrchestratorConfig, explain
 from thinkahead.errors import RunFailed
 from thinkahead.models.base import LanguageModel
+from thinkahead.models.loader import check_hub_model_local
 from thinkahead.orchestrator.graph import CompiledGraph, StepGraph
 from thinkahead.orchestrator.runtime import Runtime
 from thinkahead.orchestrator.store import ResultStore
@@ -83,7 +84,13 @@ class Orchestrator:
             raise ValueError(f"policy must be a policy name, its settings (a mapping) or a policy object with "
                              f"start(ctx), got {type(policy).__name__} {policy!r:.60}")
         base.update(settings)
-        self.config = OrchestratorConfig.model_validate(base)
+        try:
+            self.config = OrchestratorConfig.model_validate(base)
+        except ValidationError as exc:  # one line per problem, not pydantic's report
+            raise ValueError(explain(exc, "Orchestrator")) from None
+        for tier in TIERS:
+            if tier not in self._instances:
+                check_hub_model_local(getattr(self.config, tier).spec)
         self._runtime: Runtime | None = None
         self._graphs: dict[tuple[str, tuple], CompiledGraph] = {}
 

@@ -159,6 +159,7 @@ def build_settings(config_path, small, large, dtype, threshold, max_steps, max_t
     from pydantic import ValidationError
 
     from thinkahead.config import OrchestratorConfig, explain
+    from thinkahead.models.loader import check_hub_model_local
 
     try:
         config = OrchestratorConfig.from_file(config_path) if config_path else OrchestratorConfig()
@@ -199,6 +200,11 @@ def build_settings(config_path, small, large, dtype, threshold, max_steps, max_t
         OrchestratorConfig.model_validate(data)
     except ValidationError as exc:
         raise InputError(explain(exc, "options")) from None
+    for tier in ("small", "large"):  # as the Orchestrator will, before any work (a hub model not on disk)
+        try:
+            check_hub_model_local(data[tier]["spec"])
+        except ValueError as exc:
+            raise InputError(f"{tier} model: {exc}") from None
     return data
 
 

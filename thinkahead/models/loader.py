@@ -55,6 +55,26 @@ def check_model_spec(spec: str) -> str:
     return spec
 
 
+def check_hub_model_local(spec: str) -> None:
+    """A ValueError unless a hub-id `spec` (`hf:ORG/NAME`, or a bare `ORG/NAME`) is in the local Hugging
+    Face cache; other specs pass. Looks at the disk only: a model is checked when an orchestrator is
+    built (its first run would otherwise fail deep in transformers with a long `OSError`)."""
+    if spec.startswith(REMOTE_PREFIXES):
+        return
+    from thinkahead.models.specs import resolve_model_spec
+
+    source = resolve_model_spec(spec)
+    if source.kind != "hf" or source.location is None:
+        return
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(source.location, "config.json"), str):
+        return
+    raise ValueError(f"model spec {spec!r}: {source.location} is not in the local Hugging Face cache "
+                     f"({constants.HF_HUB_CACHE}) and thinkahead does not download hub models when it builds an "
+                     f"orchestrator; fetch it first (`hf download {source.location}`), or give its local directory")
+
+
 def scores_tokens(spec: str) -> bool:
     """Whether the model `spec` names can score tokens (log-probabilities of a given continuation)."""
     return not spec.strip().startswith(SCORELESS_PREFIXES)
