@@ -78,3 +78,13 @@ def test_bad_construction() -> None:
         LocalModel("smollm2-135m", drafter="draft-model")
     with pytest.raises(ValueError, match="either"):
         LocalModel()
+
+
+@pytest.mark.parametrize("seed", [2**64, -(2**63) - 1, True, 1.5])
+def test_a_seed_that_is_not_a_64_bit_integer_is_refused_by_the_request(seed):
+    """2**70 reached torch's generator deep in the decoder: 'Overflow when unpacking long long'."""
+    from thinkahead.models.base import GenerationRequest
+
+    with pytest.raises(ValueError, match="seed must be a 64-bit integer"):
+        GenerationRequest(prompt="w5", seed=seed)
+    assert GenerationRequest(prompt="w5", seed=2**64 - 1).seed == 2**64 - 1

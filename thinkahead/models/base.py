@@ -51,6 +51,9 @@ class GenerationRequest:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not -(2**63) <= self.seed < 2**64):  # what a torch generator takes
+            raise ValueError(f"seed must be a 64-bit integer (-2**63 to 2**64 - 1), got {self.seed!r}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
 
