@@ -240,3 +240,23 @@ def test_the_real_05b_serves_eight_concurrent_prompts_with_mixed_drafters_exactl
     assert [c.token_ids for c in got] == [c.token_ids for c in alone]
     assert max(sizes) >= 5
     assert sum(c.spec.spec_num_correct_drafts for c in got if c.spec) > 0
+
+
+def test_a_fault_of_a_step_fails_its_generations_and_the_scheduler_goes_on(engine, monkeypatch) -> None:
+    decoder = build_decoder("none", engine)
+    scheduler = BatchScheduler(engine)
+    real = scheduler.step
+    faults = [RuntimeError("scheduler bug")]
+
+    def step():
+        if faults:
+            raise faults.pop()
+        real()
+
+    monkeypatch.setattr(scheduler, "step", step)
+    doomed = scheduler.submit(lambda: decoder.rounds(prompt(1, 8), 5, stop_token_ids=[]))
+    with pytest.raises(RuntimeError, match="scheduler bug"):
+        doomed.result(timeout=30)
+    after = scheduler.submit(lambda: decoder.rounds(prompt(2, 8), 5, stop_token_ids=[]))
+    assert after.result(timeout=30).token_ids == plain_greedy(engine, prompt(2, 8), 5)
+    scheduler.close()

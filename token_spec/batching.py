@@ -120,6 +120,7 @@ class BatchScheduler:
         self._plan: dict[int, int] = {}  # id of a live item -> its draft length for the next round
         self.name = name
         self._new: deque[_Live] = deque()
+        self._items: dict[int, _Live] = {}  # id of an unfinished future -> its work (for cancel)
         self._live: list[_Live] = []
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -136,7 +137,10 @@ class BatchScheduler:
         with self._cv:
             if self._closed:
                 raise RuntimeError(f"the scheduler of {self.name} is closed")
-            self._new.append(_Live(start, future))
+            item = _Live(start, future)
+            self._new.append(item)
+            self._items[id(future)] = item
+            future.add_done_callback(self._forget)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name=f"scheduler-{self.name}", daemon=True)
                 self._thread.start()
@@ -147,10 +151,14 @@ class BatchScheduler:
         """Stop the work behind `future` before its next step (a coroutine is closed, its `finally` runs); its
         future gets a CancelledError. Work already done is left as it is."""
         with self._cv:
-            for item in (*self._new, *self._live):
-                if item.future is future:
-                    item.cancelled = True
+            item = self._items.get(id(future))
+            if item is not None and item.future is future:
+                item.cancelled = True
             self._cv.notify()
+
+    def _forget(self, future: Future) -> None:
+        with self._cv:
+            self._items.pop(id(future), None)
 
     def run(self, start: Callable[[], Rounds[T] | T]) -> T:
         """`submit(start)` and wait for its result (from any thread but the scheduler's own)."""
@@ -198,7 +206,12 @@ class BatchScheduler:
                 self._start(item)
             self._drop_cancelled()
             if self._live:
-                self.step()
+                try:
+                    self.step()
+                except Exception as exc:  # noqa: BLE001 - a fault of the scheduler itself: fail the batch, go on
+                    logger.exception("a step of %s failed; its generations fail with it", self.name)
+                    for item in list(self._live):
+                        self._finish(item, error=exc)
         for item in pending + self._live:
             self._finish(item, error=CancelledError())
         self._live = []
