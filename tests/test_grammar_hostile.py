@@ -125,8 +125,10 @@ def test_lone_surrogates_are_a_400_by_field(noisy):
     assert info.value.field == "tools"
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
         "a": {"enum": [SURROGATE]}}}}}
-    assert refused(noisy, messages=ASK, tools=[tool], tool_choice="required").param == "tools"
-    assert refused(noisy, messages=[{"role": "user", "content": SURROGATE}]).param == "messages"
+    # refused where the request is read, named to the string that holds it
+    assert refused(noisy, messages=ASK, tools=[tool], tool_choice="required").param == \
+        "tools[0].function.parameters.properties.a.enum[0]"
+    assert refused(noisy, messages=[{"role": "user", "content": SURROGATE}]).param == "messages[0].content"
 
 
 def test_a_tokenizer_llguidance_cannot_read_falls_back_to_checking(monkeypatch):

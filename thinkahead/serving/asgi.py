@@ -99,17 +99,18 @@ def param_path(path: tuple[str | int, ...]) -> str:
     return out
 
 
-def find(value: Any, test: Callable[[Any], bool]) -> tuple[tuple[str | int, ...], Any] | None:
+def find(value: Any, test: Callable[[Any], bool], max_depth: int | None = MAX_JSON_DEPTH,
+         ) -> tuple[tuple[str | int, ...], Any] | None:
     """The path and value of a value (or an object's key) in parsed JSON for which `test` holds, or
-    None; a 400 where lists and objects nest deeper than `MAX_JSON_DEPTH` (iterative: no recursion
-    limit to hit, and only containers cost a path)."""
+    None; a 400 where lists and objects nest deeper than `max_depth` (None: any depth; iterative, no
+    recursion limit to hit, and only containers cost a path)."""
     if not isinstance(value, (dict, list)):
         return ((), value) if test(value) else None
     stack: list[tuple[tuple[str | int, ...], Any]] = [((), value)]
     while stack:
         path, item = stack.pop()
-        if len(path) >= MAX_JSON_DEPTH:
-            raise RequestError(400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels")
+        if max_depth is not None and len(path) >= max_depth:
+            raise RequestError(400, f"the request body nests deeper than {max_depth} levels")
         pairs: Iterable[tuple[str | int, Any]] = item.items() if isinstance(item, dict) else enumerate(item)
         for key, child in pairs:
             if isinstance(key, str) and test(key):

@@ -218,7 +218,7 @@ def _param(loc: tuple[Any, ...]) -> str:
 
 def parse_request(cls: type[_Request], data: dict[str, Any]) -> Any:
     """`data` as a `cls`, or a 400 naming the first field that is wrong, unknown or unsupported."""
-    if (hit := find(data, has_lone_surrogate)) is not None:
+    if (hit := find(data, has_lone_surrogate, max_depth=None)) is not None:  # (parse_json bounds the depth)
         param = param_path(hit[0])
         raise RequestError(400, f"{param!r} holds a lone surrogate ({ascii(hit[1])[:40]}): "
                                 "strings must be valid Unicode (UTF-8)", param=param)
