@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 LIBRARY = ("thinkahead", "orchestrator", "step_spec", "token_spec", "verifiers", "workflows")
 # import name -> distribution name, where they differ
-DISTRIBUTIONS = {"yaml": "pyyaml"}
+DISTRIBUTIONS = {"yaml": "pyyaml", "huggingface_hub": "huggingface-hub"}
 # imported only behind an optional feature, each declared in an extra or pinned by it
 OPTIONAL = {"matplotlib", "sglang", "llama_cpp", "llm", "tokenizers", "safetensors"}
 # declared without an import of ours: transformers (>= 5.24) refuses to load a GGUF file without it

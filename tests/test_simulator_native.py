@@ -218,11 +218,14 @@ def test_checked_tokens_fast_path_matches_the_loop() -> None:
     """Token checks take one C-level pass for integer lists; results and errors stay the loop's."""
     from thinkahead.token_spec.suffix_drafts import _checked_tokens
 
-    assert _checked_tokens([3, True, _Index(7)], "ids") == [3, 1, 7]
+    assert _checked_tokens([3, _Index(7)], "ids") == [3, 7]
+    with pytest.raises(ValueError, match="integer token ids, found a bool"):  # (array "q" takes True as 1)
+        _checked_tokens([3, True, _Index(7)], "ids")
     assert all(type(t) is int for t in _checked_tokens((_Index(2), 5), "ids"))
     assert _checked_tokens([], "ids") == []
     assert _checked_tokens(iter([1, 2]), "ids") == [1, 2]  # an iterator is read once, by the loop
-    assert _checked_tokens([2**70], "ids") == [2**70]  # beyond 64 bits: kept as the loop keeps it
+    with pytest.raises(ValueError, match="token ids below 2\\*\\*63, found 1180591620717411303424"):
+        _checked_tokens([2**70], "ids")  # beyond 64 bits: refused (the native tree raised an OverflowError)
     with pytest.raises(ValueError, match="non-negative token ids, found -4"):
         _checked_tokens([1, -4, -2 + 1], "ids")
     with pytest.raises(ValueError, match="integer token ids, found 1.5"):
