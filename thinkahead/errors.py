@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from thinkahead.models.errors import ThinkaheadError  # defined low, so that every layer can subclass it
+from thinkahead.models.errors import ModelFileError, ThinkaheadError  # defined low, so that every layer can subclass it
 
 
 class RunFailed(ThinkaheadError):
@@ -22,4 +22,4 @@ class RunFailed(ThinkaheadError):
         self.result = result
 
 
-__all__ = ["RunFailed", "ThinkaheadError"]
+__all__ = ["ModelFileError", "RunFailed", "ThinkaheadError"]

@@ -18,7 +18,7 @@ from typing import Iterator
 
 import click
 
-from thinkahead.cli.options import InputError, output_errors, same_file
+from thinkahead.cli.options import InputError, model_file_errors, output_errors, same_file
 from thinkahead.config import default
 from thinkahead.models.weights import DTYPES
 from thinkahead.token_spec.names import DRAFTER_KINDS, MODEL_DRAFT_KINDS
@@ -180,7 +180,8 @@ def generate(prompts, input_path, output, model, drafter, draft_model, max_new_t
         click.echo(f"resuming: {len(items) - len(todo)} of {len(items)} already in {output}", err=True)
     if not todo:
         return
-    decoder, tokenizer = build_decoder(model, drafter, draft_model, dtype, max_draft, cache)
+    with model_file_errors():
+        decoder, tokenizer = build_decoder(model, drafter, draft_model, dtype, max_draft, cache)
     sampling = SamplingParams(temperature=temperature, top_p=top_p)
     totals = {"tokens": 0, "decode_s": 0.0, "verify": 0}
     try:

@@ -49,6 +49,18 @@ def output_errors(out: Path) -> Iterator[None]:
         raise InputError(cannot_write(exc.filename, exc)) from None
 
 
+@contextmanager
+def model_file_errors() -> Iterator[None]:
+    """Loading models: a damaged model file (`ModelFileError`: a truncated GGUF, a tensor out of bounds, a
+    NaN scale) is an `InputError`, one line naming the file and the tensor, exit 2."""
+    from thinkahead.models.errors import ModelFileError
+
+    try:
+        yield
+    except ModelFileError as exc:
+        raise InputError(str(exc)) from None
+
+
 OFF = "off"  # --gate-logprob off: check every draft
 
 
@@ -244,12 +256,13 @@ def load_models(orch) -> None:
     quiet_loading()
     c = orch.config
     click.echo(f"loading {c.small.spec} and {c.large.spec} ({c.large.dtype}) ...", err=True)
-    first = first_loads([(c.small.spec, c.small.dtype), (c.large.spec, c.large.dtype)])
-    if first:
-        click.echo(f"first start: converting {' and '.join(first)} once (minutes); later starts load them "
-                   "from the weight cache in seconds", err=True)
-    t0 = time.perf_counter()
-    orch.runtime  # noqa: B018 - builds the runtime, which loads the models
+    with model_file_errors():
+        first = first_loads([(c.small.spec, c.small.dtype), (c.large.spec, c.large.dtype)])
+        if first:
+            click.echo(f"first start: converting {' and '.join(first)} once (minutes); later starts load them "
+                       "from the weight cache in seconds", err=True)
+        t0 = time.perf_counter()
+        orch.runtime  # noqa: B018 - builds the runtime, which loads the models
     click.echo(f"models ready in {time.perf_counter() - t0:.0f}s", err=True)
 
 

@@ -6,7 +6,7 @@ import time
 
 import click
 
-from thinkahead.cli.options import POLICIES, build_settings, orchestrator_options, quiet_loading
+from thinkahead.cli.options import POLICIES, build_settings, model_file_errors, orchestrator_options, quiet_loading
 from thinkahead.config import SERVE_CONCURRENCY, default
 from thinkahead.serving.limits import ServerSettings
 from thinkahead.step_spec.state import TIERS
@@ -60,7 +60,8 @@ def serve(host, port, policy, concurrency, api_key, allow_origins, allowed_hosts
                f"({settings['large']['dtype']}) ...", err=True)
     t0 = time.perf_counter()
     try:
-        app = create_app(settings, settings=server_settings)
+        with model_file_errors():  # a damaged model file: exit 2, as for run and generate
+            app = create_app(settings, settings=server_settings)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from exc
     names = ", ".join(app.chat_models())

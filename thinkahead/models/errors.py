@@ -9,4 +9,10 @@ class ThinkaheadError(Exception):
     """Base class of the exceptions thinkahead raises on purpose."""
 
 
-__all__ = ["ThinkaheadError"]
+class ModelFileError(ThinkaheadError, ValueError):
+    """A model file that is damaged or does not hold what its format and metadata say (a truncated GGUF,
+    a tensor out of bounds, a NaN scale): one line naming the file, and the tensor where there is one.
+    The command line reports it as an input error (exit 2)."""
+
+
+__all__ = ["ModelFileError", "ThinkaheadError"]

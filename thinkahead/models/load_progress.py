@@ -79,4 +79,6 @@ class ConversionProgress:
             done = f"done in {seconds:.0f}s" + (f"; {CACHED_NOTE}" if self.cached else "")
             self._bar.set_postfix_str(done)
             logger.info("converted %s in %.1fs", self.label, seconds)
+        else:  # the error is the one line left (a damaged file: gguf_check's message)
+            self._bar.leave = False
         self._bar.close()

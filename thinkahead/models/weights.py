@@ -36,9 +36,19 @@ STAGE_READ, STAGE_INT8, STAGE_STORE = "reading the weights", "converting to int8
 def load_tokenizer(spec: str) -> Any:
     """The tokenizer of a model spec (registry name, `hf:ORG/NAME`, directory, .gguf), no weights."""
     location, gguf_file = _locate(resolve_model_spec(spec), None, None)
+    _check_header(location, gguf_file)
     from transformers import AutoTokenizer
 
     return repair_chat_template(AutoTokenizer.from_pretrained(location, **({"gguf_file": gguf_file} if gguf_file else {})))
+
+
+def _check_header(location: str, gguf_file: str | None) -> None:
+    """A damaged GGUF file is refused here (`ModelFileError`, naming the file and the tensor), before any
+    work on it; its header is read once per state of the file (thinkahead/models/gguf_check.py)."""
+    if gguf_file is not None:
+        from thinkahead.models.gguf_check import read_index
+
+        read_index(Path(location, gguf_file))
 
 
 def _apply_thread_setting() -> None:
@@ -92,7 +102,8 @@ def _cache_key(source: ModelSource, location: str, gguf_file: str | None, dtype:
 
 def resolve_dtype(dtype: str, location: str, gguf_file: str | None) -> str:
     """`dtype`, with "auto" made concrete for a located model: "gguf" where the model is a GGUF file the
-    native kernel runs (thinkahead/models/gguf_native.py reads only its header), else "int8"."""
+    native kernel runs (thinkahead/models/gguf_native.py reads only its header), else "int8". Raises
+    `ModelFileError` for a damaged GGUF file."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if dtype != AUTO:
@@ -102,10 +113,9 @@ def resolve_dtype(dtype: str, location: str, gguf_file: str | None) -> str:
     from thinkahead.models.gguf_native import unsupported_reason
     from thinkahead.models.kquant import unavailable_reason
 
-    try:
-        why = unavailable_reason() or unsupported_reason(Path(location, gguf_file))
-    except (OSError, ValueError) as exc:  # a damaged file: int8's loader will say what is wrong with it
-        why = str(exc)
+    # a damaged file raises (ModelFileError, from its header): it is an error whatever the dtype, not a
+    # reason to fall back to int8, whose loader would fail on it later and worse
+    why = unavailable_reason() or unsupported_reason(Path(location, gguf_file))
     if why is not None:
         logger.info("dtype auto: int8 for %s (gguf cannot run it: %s)", gguf_file, why)
         return INT8
@@ -166,6 +176,7 @@ def load_causal_lm(
         if (why := unavailable_reason()) is not None:
             raise ValueError(f"dtype 'gguf' cannot run here: {why}; use dtype 'int8'")
     location, gguf_file = _locate(source, cache_dir, wheel_dir)
+    _check_header(location, gguf_file)
     dtype = resolve_dtype(dtype, location, gguf_file)
     if dtype == GGUF and gguf_file is None:
         raise ValueError(f"dtype 'gguf' computes on a GGUF file's blocks; {spec!r} is not a GGUF model (use dtype 'int8')")
@@ -208,6 +219,10 @@ def _convert(location: str, gguf_file: str | None, dtype: str, bar: ConversionPr
         from thinkahead.models.gguf_native import convert
 
         return convert(Path(location, gguf_file))
+    if gguf_file is not None:  # NaN or infinite scales: refused before transformers dequantizes them
+        from thinkahead.models.gguf_check import read_index, scan_file
+
+        scan_file(read_index(Path(location, gguf_file)))
     extra: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
     torch_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, INT8: torch.bfloat16}[dtype]
     model = AutoModelForCausalLM.from_pretrained(location, dtype=torch_dtype, **extra)
