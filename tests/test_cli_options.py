@@ -1,6 +1,6 @@
 """The CLI reads its names and defaults from the registries and the config models: `reason` builds
-its policy through `POLICIES`, `serve` falls back to `SERVE_CONCURRENCY` only where the config file
-is silent, and every default a command shows is the config's."""
+its policy through `POLICIES`, `serve` takes `--concurrency`, else the config file's, else the config's
+default, and every default a command shows is the config's."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import uvicorn
 from click.testing import CliRunner
 
 from thinkahead.cli import main
-from thinkahead.config import SERVE_CONCURRENCY, default
+from thinkahead.config import CONCURRENCY, default
 from thinkahead.models import ScriptedModel
 
 from tests.llm_judge import LLM_JUDGE_FLAGS
@@ -75,10 +75,10 @@ def test_reason_refuses_bad_policy_options_before_loading_models(reason_loop):
 
 
 @pytest.mark.parametrize(("given", "expected"), [
-    ([], SERVE_CONCURRENCY),  # serve's own default: a server answers many clients
+    ([], CONCURRENCY),  # the one default of run and serve
     (["--concurrency", "3"], 3),
 ])
-def test_serve_concurrency_falls_back_only_where_the_config_file_is_silent(monkeypatch, tmp_path, given, expected):
+def test_serve_concurrency_is_the_option_else_the_config_file_else_the_default(monkeypatch, tmp_path, given, expected):
     started = {}
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: started.update(app=app))
     args = ["serve", "--small", REMOTE, "--large", REMOTE, *LLM_JUDGE_FLAGS, *given]

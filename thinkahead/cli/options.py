@@ -163,11 +163,8 @@ def orchestrator_options(fn):
 
 def build_settings(config_path, small, large, dtype, threshold, max_steps, max_tokens, step_tokens, no_token_spec,
                    record=None, judge=None, margin=None, word_margin=None, repair=None, router=None,
-                   pre_router=None, gate_logprob=None, fallback: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
-    """An `OrchestratorConfig` as a dict: the file's values, overridden by the options given.
-
-    `fallback`: top-level settings a command uses where neither the file nor an option sets them
-    (serve: `config.SERVE_CONCURRENCY`)."""
+                   pre_router=None, gate_logprob=None, **extra: Any) -> dict[str, Any]:
+    """An `OrchestratorConfig` as a dict: the file's values, overridden by the options given."""
     from pydantic import ValidationError
 
     from thinkahead.config import OrchestratorConfig, explain
@@ -178,9 +175,6 @@ def build_settings(config_path, small, large, dtype, threshold, max_steps, max_t
     except ValueError as exc:
         raise InputError(str(exc)) from exc
     data = config.model_dump()
-    for key, value in (fallback or {}).items():
-        if key not in config.model_fields_set:
-            data[key] = value
     for tier, spec in (("small", small), ("large", large)):
         if spec is not None:
             data[tier]["spec"] = spec

@@ -7,7 +7,7 @@ import time
 import click
 
 from thinkahead.cli.options import POLICIES, build_settings, model_file_errors, orchestrator_options, quiet_loading
-from thinkahead.config import SERVE_CONCURRENCY, default
+from thinkahead.config import default
 from thinkahead.serving.limits import ServerSettings
 from thinkahead.step_spec.state import TIERS
 
@@ -19,7 +19,7 @@ from thinkahead.step_spec.state import TIERS
               help=f"Step policy of model names without one, e.g. thinkahead/cot [{default('policy.name')}].")
 @click.option("--concurrency", type=click.IntRange(min=1), default=None,
               help="Runs in flight at once; more requests wait in line (overrides the config file) "
-                   f"[{SERVE_CONCURRENCY}].")
+                   f"[{default('concurrency')}].")
 @click.option("--api-key", default=None, envvar="THINKAHEAD_API_KEY", show_envvar=True,
               help="Bearer key every request must carry (401 without it); /health stays open.")
 @click.option("--allow-origin", "allow_origins", multiple=True,
@@ -47,8 +47,7 @@ def serve(host, port, policy, concurrency, api_key, allow_origins, allowed_hosts
     from thinkahead.serving.app import create_app
     from thinkahead.serving.limits import LOOPBACK_HOSTS
 
-    settings = build_settings(**options, policy=policy, concurrency=concurrency,
-                              fallback={"concurrency": SERVE_CONCURRENCY})
+    settings = build_settings(**options, policy=policy, concurrency=concurrency)
     hosts = list(allowed_hosts) or (list(LOOPBACK_HOSTS) if host in LOOPBACK_HOSTS else None)
     server = {"api_key": api_key, "allow_origins": list(allow_origins), "allowed_hosts": hosts}
     if max_queue is not None:
