@@ -260,3 +260,16 @@ def test_a_fault_of_a_step_fails_its_generations_and_the_scheduler_goes_on(engin
     after = scheduler.submit(lambda: decoder.rounds(prompt(2, 8), 5, stop_token_ids=[]))
     assert after.result(timeout=30).token_ids == plain_greedy(engine, prompt(2, 8), 5)
     scheduler.close()
+
+
+def test_max_batch_one_runs_one_sequence_per_forward_oldest_first_with_the_same_tokens(engine, monkeypatch) -> None:
+    decoder = build_decoder("none", engine)
+    sizes = counting(engine, monkeypatch)
+    scheduler = BatchScheduler(engine, max_batch=1)
+    prompts = [prompt(s, 9) for s in range(3)]
+    futures = [scheduler.submit(lambda p=p: decoder.rounds(p, 6, stop_token_ids=[])) for p in prompts]
+    assert [f.result(timeout=30).token_ids for f in futures] == [plain_greedy(engine, p, 6) for p in prompts]
+    assert set(sizes) == {1}
+    scheduler.close()
+    with pytest.raises(ValueError, match="max_batch"):
+        BatchScheduler(engine, max_batch=0)

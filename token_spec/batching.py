@@ -109,9 +109,11 @@ class BatchScheduler:
     """
 
     def __init__(self, engine: TargetEngine, *, prefill_chunk: int = PREFILL_CHUNK, max_rows: int = MAX_BATCH_ROWS,
-                 name: str = "engine") -> None:
-        if prefill_chunk < 1 or max_rows < 1:
-            raise ValueError(f"prefill_chunk and max_rows must be >= 1, got {prefill_chunk} and {max_rows}")
+                 max_batch: int | None = None, name: str = "engine") -> None:
+        if prefill_chunk < 1 or max_rows < 1 or (max_batch is not None and max_batch < 1):
+            raise ValueError(f"prefill_chunk, max_rows and max_batch must be >= 1, got {prefill_chunk}, {max_rows} "
+                             f"and {max_batch}")
+        self.max_batch = max_batch  # sequences in one forward at most (None: all live; 1: one at a time)
         self.engine = engine
         # prefills are cut into pieces only where that gives the same bits (_batch)
         self.prefill_chunk = prefill_chunk if getattr(engine, "batches_rows", False) else None
@@ -279,10 +281,11 @@ class BatchScheduler:
         piece's K/V are the bits the whole prompt's are): while sequences decode, the step's prefill pieces hold
         at most `prefill_chunk` rows, so a long prompt delays them one chunk per step; with none decoding, up to
         `max_rows`. At least one call per step."""
+        live = sorted(self._live, key=lambda i: i.joined)[:self.max_batch]  # the oldest first
         if self.prefill_chunk is None:  # the engine runs the calls one by one: rows cost what they cost
-            return [(item, item.call, True) for item in self._live]
-        decode = [i for i in self._live if not i.call.last_only]
-        prefill = sorted((i for i in self._live if i.call.last_only), key=lambda i: i.joined)
+            return [(item, item.call, True) for item in live]
+        decode = [i for i in live if not i.call.last_only]
+        prefill = [i for i in live if i.call.last_only]
         chosen: list[tuple[_Live, ForwardCall, bool]] = []
         rows = 0
         for item in decode:
