@@ -162,3 +162,18 @@ def test_a_default_the_models_cannot_run_is_refused_naming_the_setting(reason_lo
     assert "ScriptedModel" in result.output and "loop" not in reason_loop
     result = CliRunner().invoke(main, ["reason", "q", *LLM_JUDGE_FLAGS])
     assert result.exit_code == 0, result.output
+
+
+def test_a_config_files_remote_large_model_works_with_a_policy_given_on_the_command_line(tmp_path) -> None:
+    """The file alone would fail the check across settings (the default specreason needs token scores an
+    `openai:` model has none of); `--policy large` makes the whole valid, and the check runs on the whole."""
+    from thinkahead.cli.options import InputError, build_settings
+
+    config = tmp_path / "remote.yaml"
+    config.write_text(f'large: {{spec: "{REMOTE}", tokenizer: qwen2.5-coder-1.5b}}\n')
+    none = dict.fromkeys(("small", "large", "dtype", "threshold", "max_steps", "max_tokens", "step_tokens",
+                          "no_token_spec"))
+    data = build_settings(config, **none, policy="large")
+    assert data["policy"]["name"] == "large" and data["large"]["spec"] == REMOTE
+    with pytest.raises(InputError, match="needs token scores"):
+        build_settings(config, **none)

@@ -22,7 +22,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from thinkahead.orchestrator.budget import RetryPolicy, RunBudget
 from thinkahead.step_spec.loop import StepBudget
@@ -38,6 +38,7 @@ DEFAULT_RUN_WALL_S = 1800.0
 # decodes them together, one forward per step (token_spec/batching.py). 8 GSM8K chains on the 1.5B: 2.5x the
 # tokens per second of one at a time, 16 no more (docs/results/batching.md); `run` on 20 problems 1.9x faster.
 CONCURRENCY = 8
+PARTIAL = "partial"  # validation context key: a config file that command-line options complete
 
 
 def one_of(value: str, names: Iterable[str], what: str) -> str:
@@ -167,12 +168,16 @@ class OrchestratorConfig(BaseModel, extra="forbid"):
         return one_of(value, WORKFLOWS, "workflow")
 
     @model_validator(mode="after")
-    def _policy_fits_the_models(self) -> OrchestratorConfig:
+    def _policy_fits_the_models(self, info: ValidationInfo) -> OrchestratorConfig:
         """A policy setting that needs token scores from a backend that returns none (`openai:`) is
-        refused here, before any model loads (model instances are checked by the runtime)."""
+        refused here, before any model loads (model instances are checked by the runtime). Skipped for a
+        config file read as the base of command-line options (`from_file(partial=True)`): the check runs on
+        what they make of it (a file's large model is fine with `--policy large`)."""
         from thinkahead.models.loader import scores_tokens
         from thinkahead.step_spec.specreason import scoring_needs
 
+        if (info.context or {}).get(PARTIAL):
+            return self
         if self.policy.name == "specreason":
             for tier, why in scoring_needs(self.policy).items():
                 spec = getattr(self, tier).spec
@@ -192,8 +197,9 @@ class OrchestratorConfig(BaseModel, extra="forbid"):
         return data
 
     @classmethod
-    def from_file(cls, path: str | os.PathLike[str]) -> OrchestratorConfig:
-        """Read a .yaml/.yml, .toml or .json file; errors name the file and the field."""
+    def from_file(cls, path: str | os.PathLike[str], partial: bool = False) -> OrchestratorConfig:
+        """Read a .yaml/.yml, .toml or .json file; errors name the file and the field. `partial`: the file is
+        the base that command-line options complete; the checks across settings wait for the whole."""
         path = Path(path)
         if not path.is_file():
             raise ValueError(f"config file {path} does not exist")
@@ -221,7 +227,7 @@ class OrchestratorConfig(BaseModel, extra="forbid"):
         if not isinstance(data, dict):
             raise ValueError(f"config file {path} must hold a mapping at the top level")
         try:
-            return cls.model_validate(data)
+            return cls.model_validate(data, context={PARTIAL: partial})
         except ValidationError as exc:
             raise ValueError(explain(exc, f"config file {path}")) from None
 

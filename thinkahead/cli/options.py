@@ -171,7 +171,7 @@ def build_settings(config_path, small, large, dtype, threshold, max_steps, max_t
     from thinkahead.models.loader import check_hub_model_local
 
     try:
-        config = OrchestratorConfig.from_file(config_path) if config_path else OrchestratorConfig()
+        config = OrchestratorConfig.from_file(config_path, partial=True) if config_path else OrchestratorConfig()
     except ValueError as exc:
         raise InputError(str(exc)) from exc
     data = config.model_dump()
