@@ -109,11 +109,12 @@ class BatchScheduler:
     """
 
     def __init__(self, engine: TargetEngine, *, prefill_chunk: int = PREFILL_CHUNK, max_rows: int = MAX_BATCH_ROWS,
-                 max_batch: int | None = None, name: str = "engine") -> None:
+                 max_batch: int | None = None, goodput: bool = True, name: str = "engine") -> None:
         if prefill_chunk < 1 or max_rows < 1 or (max_batch is not None and max_batch < 1):
             raise ValueError(f"prefill_chunk, max_rows and max_batch must be >= 1, got {prefill_chunk}, {max_rows} "
                              f"and {max_batch}")
         self.max_batch = max_batch  # sequences in one forward at most (None: all live; 1: one at a time)
+        self.goodput = goodput  # plan drafts by goodput in a batch; False: each decoder's controller alone
         self.engine = engine
         # prefills are cut into pieces only where that gives the same bits (_batch)
         self.prefill_chunk = prefill_chunk if getattr(engine, "batches_rows", False) else None
@@ -178,7 +179,7 @@ class BatchScheduler:
         """The most draft tokens `item` may verify next: its decoder decides alone; in a batch, the goodput plan
         made from every sequence's acceptance rate after the last forward."""
         item.accept = accept_rate
-        if len(self._live) <= 1:
+        if len(self._live) <= 1 or not self.goodput:
             return MAX_DRAFT
         return self._plan.get(id(item), 0)
 
