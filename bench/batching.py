@@ -30,7 +30,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import socket
 import subprocess
 import time
@@ -39,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from decode_profile import cpu_flags  # bench/ is the script's folder
 
 from thinkahead.evals.data import gsm8k
 from thinkahead.models import LocalModel
@@ -47,17 +47,6 @@ from thinkahead.models.registry import prepare
 
 RESULTS = Path(__file__).resolve().parent / "results"
 OFFSET = 300  # GSM8K test problems 300.. (no policy was tuned on them)
-
-
-def cpu_flags() -> str:
-    wanted = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile")
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor()
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
-    model = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), "?")
-    return f"{model}; {' '.join(f for f in wanted if f in flags)}"
 
 
 SYSTEM = "Solve the problem step by step, then give the final answer."

@@ -23,7 +23,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from batching import cpu_flags  # noqa: E402 - bench/ is the script's folder
+from decode_profile import cpu_flags  # bench/ is the script's folder
 
 from thinkahead.evals.data import gsm8k
 from thinkahead.models import LocalModel

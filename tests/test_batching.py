@@ -24,17 +24,15 @@ from thinkahead.token_spec.presets import build_decoder
 from thinkahead.token_spec.suffix_cache import SuffixCache
 from thinkahead.token_spec.verify import SamplingParams
 
-from tests.test_gguf_native import tiny_config, write_tiny_gguf
+from tests.test_gguf_native import tiny_config, tiny_gguf  # noqa: F401 (fixture)
 from tests.tiny_models import VOCAB, byte_tokenizer
 
 DRAFTERS = ("none", "suffix", "prompt-lookup", "suffix-tree", "combined")
 
 
 @pytest.fixture(scope="module")
-def gguf_path(tmp_path_factory):
-    path = tmp_path_factory.mktemp("batch-gguf") / "tiny.gguf"
-    write_tiny_gguf(path)
-    return path
+def gguf_path(tiny_gguf):
+    return tiny_gguf[0]
 
 
 @pytest.fixture(scope="module")

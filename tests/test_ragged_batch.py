@@ -14,15 +14,13 @@ from thinkahead.models import gguf_native, layer_ops
 from thinkahead.token_spec.backends.hf import HFEngine
 from thinkahead.token_spec.engine import ForwardCall
 
-from tests.test_gguf_native import tiny_config, write_tiny_gguf
+from tests.test_gguf_native import tiny_config, tiny_gguf  # noqa: F401 (fixture)
 from tests.tiny_models import VOCAB, tiny_model
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    path = tmp_path_factory.mktemp("ragged-gguf") / "tiny.gguf"
-    write_tiny_gguf(path)
-    engine = HFEngine(gguf_native.build_model(path, tiny_config()))
+def engine(tiny_gguf):
+    engine = HFEngine(gguf_native.build_model(tiny_gguf[0], tiny_config()))
     assert engine.batches_rows
     return engine
 

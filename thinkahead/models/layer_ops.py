@@ -156,32 +156,23 @@ def run_ragged(inner: Any, hidden: torch.Tensor, position_embeddings: tuple[torc
     n, shape = len(inner.layers), (1, hkv, D)
     cos, sin = (e.to(torch.float32).reshape(R, -1).contiguous() for e in position_embeddings)
     specs, masks, grown = [], [], []
-
-    def give_back() -> None:
-        for cache, rows in grown:
-            for layer in cache.layers[:n]:
-                layer.crop(-rows)
-
     try:
         for rows, mask, cache in segments:
             if not callable(getattr(cache, "room", None)):
                 raise ValueError("a ragged batch needs caches that make room in place (GrowingCache)")
             held = cache.get_seq_length()
             mask = _checked_mask(mask, 1, rows, held + rows)
-            room = cache.room(n, 1, hkv, D, rows)  # checks every layer before it changes any
+            buffers = _make_room(cache, n, shape, rows, held)
             grown.append((cache, rows))
-            if any(got != held or not _fits_room(k, v, shape) for k, v, got in room):
-                raise RuntimeError(f"a cache's layers hold {sorted({got for _, _, got in room})} tokens (expected "
-                                   f"{held}) or buffers that are not contiguous float32 {list(shape)}")
             masks.append(mask)  # alive until the run is over
-            specs.append((rows, held, 0 if mask is None else mask.data_ptr(), [k.data_ptr() for k, _, _ in room],
-                          [v.data_ptr() for _, v, _ in room], [k.shape[-2] for k, _, _ in room]))
+            specs.append((rows, held, 0 if mask is None else mask.data_ptr(), *buffers))
         out = torch.empty(R, H)
         h = hidden.contiguous().clone()
         plan.run_ragged(h.data_ptr(), R, H, cos.data_ptr(), sin.data_ptr(), cos.shape[1], specs, out.data_ptr(),
                         torch.get_num_threads())
     except BaseException:
-        give_back()
+        for cache, rows in grown:
+            _give_back(cache, n, rows)
         raise
     return out
 
@@ -273,28 +264,36 @@ def _run_native(plan: Any, inner: Any, h: torch.Tensor, B: int, T: int, S: int, 
     """`plan.run` over `h` `[B * T, H]` (a copy it updates), the new keys/values written into room the cache
     makes (given back if the run fails)."""
     _, hkv, D = _heads(inner.layers[0].self_attn)
-    n = len(inner.layers)
-    room = cache.room(n, B, hkv, D, T)  # checks every layer before it changes any
-    held, shape = S - T, (B, hkv, D)
-
-    def give_back() -> None:  # no layer keeps slots the run did not fill (a negative count removes that many)
-        for layer in cache.layers[:n]:
-            layer.crop(-T)
-
-    if any(got != held or not _fits_room(k, v, shape) for k, v, got in room):  # the native loop reads raw memory
-        give_back()
-        raise RuntimeError(f"the cache's layers hold {sorted({got for _, _, got in room})} tokens (expected {held}) "
-                           f"or buffers that are not contiguous float32 {list(shape)}")
+    n, held = len(inner.layers), S - T
+    keys, values, capacity = _make_room(cache, n, (B, hkv, D), T, held)
     out = torch.empty_like(h)
     try:
         plan.run(h.data_ptr(), B, T, h.shape[1], cos.data_ptr(), sin.data_ptr(), cos.shape[1],
                  0 if mask is None else mask.data_ptr(), 0 if mask is None or mask.shape[0] == 1 else T * S, held,
-                 [k.data_ptr() for k, _, _ in room], [v.data_ptr() for _, v, _ in room], [k.shape[-2] for k, _, _ in room],
-                 out.data_ptr(), threads)
+                 keys, values, capacity, out.data_ptr(), threads)
     except BaseException:
-        give_back()
+        _give_back(cache, n, T)
         raise
     return out
+
+
+def _make_room(cache: Any, n: int, shape: tuple[int, int, int], new: int,
+               held: int) -> tuple[list[int], list[int], list[int]]:
+    """Room for `new` tokens in the first `n` layers of `cache` (`shape`: batch, kv heads, head dim) after the
+    `held` it holds, as the native loop takes it: each layer's key and value buffer addresses and capacity.
+    Buffers the loop cannot write (it reads raw memory) are given back and refused."""
+    room = cache.room(n, *shape, new)  # checks every layer before it changes any
+    if any(got != held or not _fits_room(k, v, shape) for k, v, got in room):
+        _give_back(cache, n, new)
+        raise RuntimeError(f"the cache's layers hold {sorted({got for _, _, got in room})} tokens (expected {held}) "
+                           f"or buffers that are not contiguous float32 {list(shape)}")
+    return [k.data_ptr() for k, _, _ in room], [v.data_ptr() for _, v, _ in room], [k.shape[-2] for k, _, _ in room]
+
+
+def _give_back(cache: Any, n: int, new: int) -> None:
+    """No layer keeps slots a run did not fill (a negative crop removes that many)."""
+    for layer in cache.layers[:n]:
+        layer.crop(-new)
 
 
 def _checked_mask(mask: torch.Tensor | None, B: int, T: int, S: int) -> torch.Tensor | None:

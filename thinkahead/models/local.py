@@ -254,7 +254,8 @@ class LocalModel(LanguageModel):
         ids = self.encode(prompt)
         if not ids:
             raise ValueError("next_token_logprobs needs a non-empty prompt")
-        logits = self.scheduler.run(lambda: self._scored_rows(ids, 0, last_only=True))[-1]
+        _, logits = self.scheduler.run(lambda: self._scored_rows(ids, 0, last_only=True))
+        logits = logits[-1]
         logprobs = torch.log_softmax(logits.float(), dim=-1)
         values, indices = torch.topk(logprobs, min(top_k, logprobs.shape[-1]))
         out: dict[str, float] = {}
@@ -334,12 +335,12 @@ class LocalModel(LanguageModel):
 
     def _scored_rows(self, ids: list[int], start: int, last_only: bool = False) -> Rounds[Any]:
         """One forward over `ids` after the longest pooled prefix (of `ids[:start]`, or of `ids[:-1]` when `start`
-        is 0), in the batch: its logits (`last_only`: the last row's), with where they start when scoring."""
+        is 0), in the batch: how many tokens the pool held, and the forward's logits (`last_only`: the last row's)."""
         # acquire() keeps the last token out of the reused prefix, so there is always one to feed
         session, cached = self.prefix_pool.acquire(ids[:start] if start else ids)
         logits = yield ForwardCall(session, ids[cached:], last_only=last_only)
         self.prefix_pool.release(session, ids)
-        return logits if last_only else (cached, logits)
+        return cached, logits
 
     def encode(self, text: str) -> list[int]:
         """Token ids of raw prompt text; a BOS token is added only where the tokenizer wants one."""
