@@ -60,6 +60,11 @@ SENTENCE_STOPS: tuple[str, ...] = (". ", ".\n", "? ", "! ", "\n")
 StepKind = Literal["step", "truncated", "final", "end_think", "empty"]
 
 
+# A step's token cap unless `segment.max_step_tokens` says otherwise: a GSM8K step is 20-60 tokens; one that runs
+# to 128 without a blank line is more likely a loop than a step.
+MAX_STEP_TOKENS = 128
+
+
 class SegmentConfig(BaseModel, extra="forbid", frozen=True):
     """How reasoning is cut into steps.
 
@@ -76,7 +81,7 @@ class SegmentConfig(BaseModel, extra="forbid", frozen=True):
 
     mode: Literal["delimiter", "sentence"] = "delimiter"
     delimiter: str = "\n\n"
-    max_step_tokens: int = Field(default=256, gt=0)
+    max_step_tokens: int = Field(default=MAX_STEP_TOKENS, gt=0)
     min_step_chars: int = Field(default=1, ge=0)
 
     @field_validator("delimiter")

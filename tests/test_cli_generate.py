@@ -103,8 +103,9 @@ def test_generate_runs_on_gguf_blocks(drafter, model_dir, tmp_path, monkeypatch)
     monkeypatch.setattr(weights, "load_causal_lm",
                         lambda spec, dtype: (gguf_native.build_model(path, tiny_config()), tokenizer))
     out = tmp_path / "out.jsonl"
-    r = CliRunner().invoke(main, ["generate", "w5 w6 w7 w5 w6", "-m", str(model_dir), "--drafter", drafter,
-                                  "--draft-model", str(model_dir), "--max-new-tokens", "8", "-o", str(out)])
+    draft = ["--draft-model", str(model_dir)] if drafter == "hybrid" else []
+    r = CliRunner().invoke(main, ["generate", "w5 w6 w7 w5 w6", "-m", str(model_dir), "--drafter", drafter, *draft,
+                                  "--max-new-tokens", "8", "-o", str(out)])
     assert r.exit_code == 0, r.output
     rows = list(generation_log(out))
     assert len(rows) == 1 and 0 < len(rows[0]["token_ids"]) <= 8 and rows[0]["stats"]["spec_verify_ct"] >= 1

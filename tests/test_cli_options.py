@@ -24,7 +24,7 @@ REMOTE = "openai:qwen@http://127.0.0.1:9/v1"  # built without connecting: no wei
 @pytest.fixture
 def reason_loop(monkeypatch):
     """`thinkahead reason` over scripted models: the loop it builds is kept for the test to read."""
-    import thinkahead.models
+    import thinkahead.models.loader
     import thinkahead.step_spec.loop as loop_module
 
     built = {}
@@ -40,8 +40,12 @@ def reason_loop(monkeypatch):
         scripted = AgreeingModel if kind else ScriptedModel
         return scripted(outputs=["So \\boxed{391}."], logprobs=[{"9": -0.05}], name=spec, **kind)
 
+    def pair(small, large, small_options, large_options):
+        built["drafter"] = large_options["drafter"]
+        return model(small, small_options["dtype"]), model(large, large_options["dtype"])
+
     monkeypatch.setattr(loop_module, "StepLoop", loop)
-    monkeypatch.setattr(thinkahead.models, "LocalModel", model)
+    monkeypatch.setattr(thinkahead.models.loader, "load_pair", pair)
     return built
 
 
@@ -56,6 +60,7 @@ def test_reason_builds_each_policy_from_the_registry_with_its_own_defaults(reaso
     assert (policy.name, policy.pairs_path, policy.threshold, policy.score_mode) == ("collect", pairs, 5.0, "expected")
     assert json.loads(result.output)["steps"][0]["text"] == "So \\boxed{391}."
     assert reason_loop["dtypes"] == [default("small.dtype"), default("large.dtype")]
+    assert reason_loop["drafter"] == default("large.drafter")
 
     result = CliRunner().invoke(main, ["reason", "q", "--judge", "agreement", "--repair", "token", "--first-large", "1"])
     assert result.exit_code == 0, result.output

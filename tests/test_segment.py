@@ -6,6 +6,7 @@ import pytest
 from pydantic import ValidationError
 
 from thinkahead.step_spec.segment import (
+    MAX_STEP_TOKENS,
     THINK_CLOSE,
     SegmentConfig,
     Step,
@@ -36,7 +37,7 @@ TRACE = (
 def test_config_defaults() -> None:
     assert DELIM.mode == "delimiter"
     assert DELIM.delimiter == "\n\n"
-    assert DELIM.max_step_tokens == 256
+    assert DELIM.max_step_tokens == MAX_STEP_TOKENS == 128
     assert DELIM.min_step_chars == 1
 
 

@@ -28,7 +28,8 @@ from thinkahead.orchestrator.budget import RetryPolicy, RunBudget
 from thinkahead.step_spec.loop import StepBudget
 from thinkahead.step_spec.policies import PolicySettings
 from thinkahead.step_spec.segment import SegmentConfig
-from thinkahead.token_spec.names import MAX_DRAFT
+from thinkahead.models.dtypes import DEFAULT_DTYPE
+from thinkahead.token_spec.names import AUTO_DRAFTER, DRAFTER_CHOICES, MAX_DRAFT, MODEL_DRAFT_KINDS, check_drafter
 
 # A run's wall-clock deadline unless `budget.max_wall_s` says otherwise (`null`: none). Runs of the
 # local models take seconds to a few minutes; each model call is bounded too, by its backend's
@@ -53,8 +54,9 @@ class ModelConfig(BaseModel, extra="forbid"):
     """A model: its spec (see `load_model`) and backend options."""
 
     spec: str
-    dtype: str = "auto"  # gguf for GGUF files the native kernel runs, else int8 (models/dtypes.py)
-    drafter: str = "suffix"
+    dtype: str = DEFAULT_DTYPE  # gguf for GGUF files the native kernel runs, else int8 (models/dtypes.py)
+    drafter: str = Field(default=AUTO_DRAFTER, description="token drafter of a local model: auto (the large model: "
+                         "hybrid with a small local model that shares its tokenizer; else combined) or a named one")
     max_draft: int = Field(default=MAX_DRAFT, gt=0)
     tokenizer: str | None = Field(default=None, description="remote models: a model spec whose chat template to use")
     record: str | None = Field(default=None, description="local models: append every generation's token ids here")
@@ -76,9 +78,7 @@ class ModelConfig(BaseModel, extra="forbid"):
     @field_validator("drafter")
     @classmethod
     def _known_drafter(cls, value: str) -> str:
-        from thinkahead.token_spec.names import SINGLE_MODEL_KINDS, check_drafter
-
-        return check_drafter(value, SINGLE_MODEL_KINDS)
+        return check_drafter(value, DRAFTER_CHOICES)
 
     def options(self) -> dict[str, Any]:
         options: dict[str, Any] = {"dtype": self.dtype, "drafter": self.drafter, "max_draft": self.max_draft}
@@ -94,6 +94,9 @@ class ModelConfig(BaseModel, extra="forbid"):
             raise ValueError(f"model {self.spec!r}: tokenizer is only for remote (openai:/sglang:) models")
         if self.record is not None and self.spec.startswith(("openai:", "sglang:")):
             raise ValueError(f"model {self.spec!r}: record is only for local models (remote servers keep their own ids)")
+        if self.drafter != AUTO_DRAFTER and self.spec.startswith(("openai:", "sglang:")):
+            raise ValueError(f"model {self.spec!r}: drafter is only for local models (a server drafts as it was "
+                             f"started to)")
         return self
 
 
@@ -137,7 +140,7 @@ class OrchestratorConfig(BaseModel, extra="forbid"):
     policy: PolicyConfig = PolicyConfig()
     workflow: str = "cot"
     workflow_options: dict[str, Any] = Field(default_factory=dict)
-    segment: SegmentConfig = SegmentConfig(max_step_tokens=128)
+    segment: SegmentConfig = SegmentConfig()
     steps: StepBudget = StepBudget()
     budget: RunBudget = RunBudget(max_wall_s=DEFAULT_RUN_WALL_S)
     batch_budget: RunBudget = RunBudget()
@@ -166,6 +169,17 @@ class OrchestratorConfig(BaseModel, extra="forbid"):
         from thinkahead.workflows import WORKFLOWS
 
         return one_of(value, WORKFLOWS, "workflow")
+
+    @model_validator(mode="after")
+    def _draft_models_fit(self) -> OrchestratorConfig:
+        """Only the large model drafts with another (the small one, which must be local); the small one alone."""
+        if self.small.drafter in MODEL_DRAFT_KINDS:
+            raise ValueError(f"small.drafter {self.small.drafter!r} needs a draft model, and the small model has none "
+                             f"(the large model drafts with the small one); choose a model-free drafter")
+        if self.large.drafter in MODEL_DRAFT_KINDS and self.small.spec.startswith(("openai:", "sglang:")):
+            raise ValueError(f"large.drafter {self.large.drafter!r} drafts with the small model, which must be local "
+                             f"(got {self.small.spec})")
+        return self
 
     @model_validator(mode="after")
     def _policy_fits_the_models(self, info: ValidationInfo) -> OrchestratorConfig:

@@ -115,20 +115,11 @@ class Orchestrator:
         return self._runtime
 
     def _load_models(self) -> tuple[LanguageModel, LanguageModel]:
-        from thinkahead.models.loader import load_model
+        from thinkahead.models.loader import load_pair
 
-        loaded: dict[tuple, LanguageModel] = {}
-        out = []
-        for tier in TIERS:
-            if tier in self._instances:
-                out.append(self._instances[tier])
-                continue
-            cfg = getattr(self.config, tier)
-            key = (cfg.spec, tuple(sorted(cfg.options().items())))
-            if key not in loaded:
-                loaded[key] = load_model(cfg.spec, **cfg.options())
-            out.append(loaded[key])
-        return out[0], out[1]
+        c = self.config
+        return load_pair(self._instances.get("small", c.small.spec), self._instances.get("large", c.large.spec),
+                         c.small.options(), c.large.options())
 
     @property
     def small(self) -> LanguageModel:

@@ -12,6 +12,12 @@ Exactness: the engine's rows never depend on the batch (a ragged batch gives eac
 gets alone, tests/test_ragged_batch.py), so each generation's tokens are the ones it produces alone
 (tests/test_batching.py), whoever joins or leaves.
 
+Several engines: a pair of models that drafts for each other (the large model's `hybrid` drafter runs the small
+model's engine) shares one scheduler, so one thread owns both engines: `lane(engine)` submits work for another
+engine, and a call may name the engine it runs on (a draft model's forward). Each step runs one forward per
+engine over the calls waiting for it: the small model's own generations and every sequence's draft tokens in one,
+the large model's verifies in the other.
+
 Load: a long prompt is prefilled in pieces of `prefill_chunk` tokens while others decode, so it holds them
 for one piece per step at most; a step holds at most `max_rows` rows (decode rounds first, then prefill
 chunks in arrival order, at least one call per step). Speculation is sized by goodput (SmartSpec): after
@@ -30,7 +36,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import CancelledError, Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from thinkahead.token_spec.controller import CostCurve
@@ -83,7 +89,17 @@ class _Share:
 
     @property
     def alone(self) -> bool:
-        return self._item.batch <= 1
+        item = self._item
+        return item.batch <= 1 and sum(i.lane is item.lane for i in self._scheduler._live) <= 1
+
+
+@dataclass(slots=True, eq=False)
+class _Engine:
+    """An engine of the scheduler, with what its steps measured."""
+
+    engine: TargetEngine
+    prefill_chunk: int | None  # prefills are cut into pieces only where that gives the same bits (_batch)
+    cost: CostCurve = field(default_factory=lambda: CostCurve(smoothing=0.25, prior_slope=COST_SLOPE))  # rows - 1 -> s
 
 
 @dataclass(slots=True)
@@ -92,6 +108,7 @@ class _Live:
 
     start: Callable[[], Any]
     future: Future
+    lane: _Engine
     rounds: Rounds[Any] | None = None
     call: ForwardCall | None = None
     joined: float = field(default_factory=time.perf_counter)
@@ -116,10 +133,10 @@ class BatchScheduler:
         self.max_batch = max_batch  # sequences in one forward at most (None: all live; 1: one at a time)
         self.goodput = goodput  # plan drafts by goodput in a batch; False: each decoder's controller alone
         self.engine = engine
-        # prefills are cut into pieces only where that gives the same bits (_batch)
-        self.prefill_chunk = prefill_chunk if getattr(engine, "batches_rows", False) else None
+        self._prefill_chunk = prefill_chunk
+        self._engines: dict[int, _Engine] = {}  # id of an engine -> its state
+        self._main = self._engine(engine)
         self.max_rows = max_rows
-        self.cost = CostCurve(smoothing=0.25, prior_slope=COST_SLOPE)  # rows - 1 -> seconds of a forward
         self._plan: dict[int, int] = {}  # id of a live item -> its draft length for the next round
         self.name = name
         self._new: deque[_Live] = deque()
@@ -132,15 +149,37 @@ class BatchScheduler:
         self.steps = 0  # forwards run, over the scheduler's life
         self.peak_batch = 0  # most sequences in one forward
 
+    @property
+    def cost(self) -> CostCurve:
+        """The measured cost of a forward of the main engine by its rows (rows - 1 -> seconds)."""
+        return self._main.cost
+
+    @property
+    def prefill_chunk(self) -> int | None:
+        return self._main.prefill_chunk
+
+    def _engine(self, engine: TargetEngine) -> _Engine:
+        lane = self._engines.get(id(engine))
+        if lane is None:
+            chunk = self._prefill_chunk if getattr(engine, "batches_rows", False) else None
+            lane = self._engines[id(engine)] = _Engine(engine, chunk)
+        return lane
+
+    def lane(self, engine: TargetEngine) -> Lane:
+        """This scheduler as another engine's: what is submitted through the lane runs on `engine`, on this
+        scheduler's thread (with everything else it runs), in one forward per step with that engine's work."""
+        with self._cv:
+            return Lane(self, self._engine(engine))
+
     # ------------------------------------------------------------------ from any thread
-    def submit(self, start: Callable[[], Rounds[T] | T]) -> Future[T]:
+    def submit(self, start: Callable[[], Rounds[T] | T], *, _lane: _Engine | None = None) -> Future[T]:
         """Run `start()` on the scheduler's thread (see the class docstring); its outcome lands in the future.
         Cancelling the future stops the work at its next step (its coroutine is closed: its `finally` runs)."""
         future: Future[T] = Future()
         with self._cv:
             if self._closed:
                 raise RuntimeError(f"the scheduler of {self.name} is closed")
-            item = _Live(start, future)
+            item = _Live(start, future, _lane or self._main)
             self._new.append(item)
             self._items[id(future)] = item
             future.add_done_callback(self._forget)
@@ -163,11 +202,11 @@ class BatchScheduler:
         with self._cv:
             self._items.pop(id(future), None)
 
-    def run(self, start: Callable[[], Rounds[T] | T]) -> T:
+    def run(self, start: Callable[[], Rounds[T] | T], *, _lane: _Engine | None = None) -> T:
         """`submit(start)` and wait for its result (from any thread but the scheduler's own)."""
         if threading.current_thread() is self._thread:
             raise RuntimeError("run() on the scheduler's own thread would wait for itself")
-        return self.submit(start).result()
+        return self.submit(start, _lane=_lane).result()
 
     def share(self) -> _Share:
         """The `DraftShare` of the work being started: call it inside `start` (on the scheduler's thread)."""
@@ -179,12 +218,13 @@ class BatchScheduler:
         """The most draft tokens `item` may verify next: its decoder decides alone; in a batch, the goodput plan
         made from every sequence's acceptance rate after the last forward."""
         item.accept = accept_rate
-        if len(self._live) <= 1 or not self.goodput:
+        if not self.goodput or sum(i.lane is item.lane for i in self._live) <= 1:
             return MAX_DRAFT
         return self._plan.get(id(item), 0)
 
     @property
     def live(self) -> int:
+        """Sequences in the batch (of every engine)."""
         return len(self._live)
 
     def close(self) -> None:
@@ -261,6 +301,7 @@ class BatchScheduler:
             self._live.append(item)
 
     def _finish(self, item: _Live, result: Any = None, error: BaseException | None = None) -> None:
+        self._plan.pop(id(item), None)
         if item in self._live:
             self._live.remove(item)
         if item.rounds is not None and error is not None:
@@ -276,14 +317,14 @@ class BatchScheduler:
         for item in [i for i in self._live if i.cancelled or i.future.cancelled()]:
             self._finish(item, error=CancelledError())
 
-    def _batch(self) -> list[tuple[_Live, ForwardCall, bool]]:
+    def _batch(self, lane: _Engine) -> list[tuple[_Live, ForwardCall, bool]]:
         """This step's calls, each with whether it ends its item's call: every decode round (within `max_rows`),
         then prefills in arrival order. Where the engine batches rows exactly a prefill is cut into pieces (a
         piece's K/V are the bits the whole prompt's are): while sequences decode, the step's prefill pieces hold
         at most `prefill_chunk` rows, so a long prompt delays them one chunk per step; with none decoding, up to
-        `max_rows`. At least one call per step."""
-        live = sorted(self._live, key=lambda i: i.joined)[:self.max_batch]  # the oldest first
-        if self.prefill_chunk is None:  # the engine runs the calls one by one: rows cost what they cost
+        `max_rows`. At least one call per step (of `lane`'s engine)."""
+        live = sorted((i for i in self._live if self._on(i) is lane), key=lambda i: i.joined)[:self.max_batch]
+        if lane.prefill_chunk is None:  # the engine runs the calls one by one: rows cost what they cost
             return [(item, item.call, True) for item in live]
         decode = [i for i in live if not i.call.last_only]
         prefill = [i for i in live if i.call.last_only]
@@ -294,41 +335,61 @@ class BatchScheduler:
             if not chosen or rows + n <= self.max_rows:
                 chosen.append((item, item.call, True))
                 rows += n
-        room = self.max_rows if not chosen else min(self.prefill_chunk, self.max_rows - rows)
+        room = self.max_rows if not chosen else min(lane.prefill_chunk, self.max_rows - rows)
         for item in prefill:
             call, n = item.call, len(item.call.token_ids)
             if n <= room:
                 chosen.append((item, call, True))
                 room -= n
             elif room > 0:
-                chosen.append((item, ForwardCall(call.session, call.token_ids[:room], last_only=True), False))
+                chosen.append((item, replace(call, token_ids=call.token_ids[:room]), False))
                 room = 0
             if room <= 0:
                 break
         return chosen
 
     def step(self) -> None:
-        """One forward over the chosen calls; each coroutine gets its logits and runs to its next forward."""
-        batch = self._batch()
+        """One forward per engine over its chosen calls; each coroutine gets its logits and runs to its next
+        forward."""
+        while True:  # the draft models' forwards first, until every sequence's draft is written
+            drafting = [i for i in self._live if self._on(i) is not i.lane]
+            if not drafting:
+                break
+            self._step(self._on(min(drafting, key=lambda i: i.joined)))
+        lanes = list(dict.fromkeys(self._on(item) for item in sorted(self._live, key=lambda i: i.joined)))
+        for lane in lanes:
+            self._step(lane)
+
+    def _on(self, item: _Live) -> _Engine:
+        """The engine `item`'s waiting call runs on: its own, or the one the call names (a draft model's)."""
+        engine = item.call.engine
+        return item.lane if engine is None or engine is item.lane.engine else self._engine(engine)
+
+    def _step(self, lane: _Engine) -> None:
+        batch = self._batch(lane)
+        if not batch:
+            return
         calls = [call for _, call, _ in batch]
+        engine = lane.engine
         self.steps += 1
         self.peak_batch = max(self.peak_batch, len(batch))
         t0 = time.perf_counter()
         try:
-            results = self.engine.forward_batch(calls)
-            self.cost.update(sum(len(c.token_ids) for c in calls) - 1, time.perf_counter() - t0)
+            results = engine.forward_batch(calls)
+            lane.cost.update(sum(len(c.token_ids) for c in calls) - 1, time.perf_counter() - t0)
         except Exception:  # noqa: BLE001 - find whose call it was: the batch checks before it changes a cache
             logger.debug("a batch of %d calls failed; running them one by one", len(calls), exc_info=True)
             results = []
             for call in calls:
                 try:
-                    results.append(self.engine.forward_batch([call])[0])
+                    results.append(engine.forward_batch([call])[0])
                 except Exception as exc:  # noqa: BLE001 - thrown into its own generation
                     results.append(exc)
-        live = list(self._live)
-        self._plan = dict(zip(map(id, live), allocate([i.accept for i in live], self.cost)))
+        live = [i for i in self._live if i.lane is lane]
+        self._plan.update(zip(map(id, live), allocate([i.accept for i in live], lane.cost)))
         for (item, call, whole), out in zip(batch, results):
-            item.batch = len(batch)
+            if item.lane is lane:  # its own forward (a draft model's says nothing of its verify's cost)
+                item.batch = len(batch)
             if isinstance(out, Exception):
                 item.call = None
                 self._advance(item, None, error=out)
@@ -336,7 +397,39 @@ class BatchScheduler:
                 item.call = None
                 self._advance(item, out)
             else:  # a piece of a prefill: the rest waits for the next step
-                item.call = ForwardCall(call.session, item.call.token_ids[len(call.token_ids):], last_only=True)
+                item.call = replace(item.call, token_ids=item.call.token_ids[len(call.token_ids):])
 
 
-__all__ = ["BatchScheduler", "MAX_BATCH_ROWS", "PREFILL_CHUNK", "allocate"]
+class Lane:
+    """A `BatchScheduler` seen as another engine's (`BatchScheduler.lane`): the same thread and steps."""
+
+    __slots__ = ("scheduler", "_lane")
+
+    def __init__(self, scheduler: BatchScheduler, lane: _Engine) -> None:
+        self.scheduler, self._lane = scheduler, lane
+
+    @property
+    def engine(self) -> TargetEngine:
+        return self._lane.engine
+
+    def submit(self, start: Callable[[], Rounds[T] | T]) -> Future[T]:
+        return self.scheduler.submit(start, _lane=self._lane)
+
+    def run(self, start: Callable[[], Rounds[T] | T]) -> T:
+        return self.scheduler.run(start, _lane=self._lane)
+
+    def cancel(self, future: Future) -> None:
+        self.scheduler.cancel(future)
+
+    def share(self) -> _Share:
+        return self.scheduler.share()
+
+    @property
+    def live(self) -> int:
+        return self.scheduler.live
+
+    def close(self) -> None:
+        """Nothing: the scheduler belongs to the model that made it."""
+
+
+__all__ = ["BatchScheduler", "Lane", "MAX_BATCH_ROWS", "PREFILL_CHUNK", "allocate"]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from thinkahead.token_spec.names import MAX_DRAFT
 from thinkahead.token_spec.draft import Draft
 
 
@@ -58,7 +59,7 @@ class FixedController:
 class MatchLengthController(FixedController):
     """SuffixDecoding's rule: budget = min(max_tokens, floor(match_len * factor + offset))."""
 
-    def __init__(self, max_tokens: int = 16, factor: float = 1.0, offset: float = 0.0) -> None:
+    def __init__(self, max_tokens: int = MAX_DRAFT, factor: float = 1.0, offset: float = 0.0) -> None:
         super().__init__(max_tokens)
         if factor < 0:
             raise ValueError(f"factor must be >= 0, got {factor}")
@@ -139,7 +140,7 @@ class AdaptiveController:
 
     def __init__(
         self,
-        max_tokens: int = 16,
+        max_tokens: int = MAX_DRAFT,
         smoothing: float = 0.25,
         initial_accept_rate: float = 0.5,
         cost_slope: float = 0.03,

@@ -24,7 +24,7 @@ from thinkahead.token_spec.draft import Draft
 from thinkahead.token_spec.drafters import Drafter
 from thinkahead.token_spec.engine import DraftShare, ForwardCall, Rounds, run_inline
 from thinkahead.token_spec.grammar import Constraint
-from thinkahead.token_spec.names import common_prefix_len
+from thinkahead.token_spec.names import MODEL_DRAFT_SOURCE, common_prefix_len
 from thinkahead.token_spec.prefix_pool import KVPrefixPool
 from thinkahead.token_spec.stats import SpecStats
 from thinkahead.token_spec.verify import Acceptance, SamplingParams, verify_greedy, verify_sampling
@@ -187,7 +187,7 @@ class SpeculativeDecoder:
         yield from self._prefill(gen, session_id)
         try:
             while not gen.done:
-                draft, probe, forced = self._draft(gen)
+                draft, probe, forced = yield from self._draft(gen)
                 rnd = yield from self._verify(gen, draft, probe)
                 rnd.forced = forced
                 self._accept(gen, rnd)
@@ -248,9 +248,10 @@ class SpeculativeDecoder:
         if self.drafter is not None:
             self.drafter.start(gen.rid, prompt, gen.sampling, session_id=session_id)
 
-    def _draft(self, gen: _Generation) -> tuple[Draft, Draft | None, int]:
+    def _draft(self, gen: _Generation) -> Rounds[tuple[Draft, Draft | None, int]]:
         """This round's draft within the controller's budget, a free probe draft when the budget is zero,
-        and how many draft tokens a grammar forced."""
+        and how many draft tokens a grammar forced. A drafter with `propose_rounds` (a draft model) yields its
+        model's forwards like the verify does, so a scheduler batches them too."""
         drafter, room = self.drafter, gen.room
         if drafter is None or room <= 0:
             return Draft(), None, 0
@@ -262,7 +263,14 @@ class SpeculativeDecoder:
             if gen.constraint is not None:
                 return self._grammar_draft(gen, room, budget)
             if budget > 0:
-                return self.controller.trim(drafter.propose(gen.rid, gen.context, budget)).truncated(room), None, 0
+                rounds = getattr(drafter, "propose_rounds", None)
+                if gen.share is not None and not gen.share.alone and hasattr(drafter, "propose_free"):
+                    draft = drafter.propose_free(gen.rid, gen.context, budget)  # a batch: no draft model
+                elif rounds is not None:
+                    draft = yield from rounds(gen.rid, gen.context, budget)
+                else:
+                    draft = drafter.propose(gen.rid, gen.context, budget)
+                return self.controller.trim(draft).truncated(room), None, 0
             if drafter.model_free:
                 # Free to ask: see whether a draft would have hit, without verifying it.
                 return Draft(), drafter.propose(gen.rid, gen.context, self.probe_tokens), 0
@@ -332,6 +340,9 @@ class SpeculativeDecoder:
         stats.spec_verify_ct += 1
         stats.spec_num_proposed_drafts += len(rnd.draft)
         stats.spec_num_correct_drafts += accepted
+        if rnd.draft.source == MODEL_DRAFT_SOURCE:
+            stats.model_drafts += len(rnd.draft)
+            stats.model_correct_drafts += accepted
         stats.grammar_forced_drafts += rnd.forced
         gen.accept_rate = moved_accept_rate(gen.accept_rate, len(rnd.draft), accepted)
         if gen.share is None or gen.share.alone:  # a shared forward's time is not this round's verify cost

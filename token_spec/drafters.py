@@ -23,6 +23,7 @@ from collections import OrderedDict
 from typing import Any, Hashable, Protocol, Sequence, runtime_checkable
 import array
 
+from thinkahead.token_spec.names import SUFFIX_MIN_TOKEN_PROB, SUFFIX_SPEC_FACTOR, SUFFIX_SPEC_OFFSET
 from thinkahead.token_spec import suffix_impl
 from thinkahead.token_spec.draft import Draft
 from thinkahead.token_spec.suffix_cache import SuffixCache, prompt_extension
@@ -37,6 +38,10 @@ class Drafter(Protocol):
 
     `model_free` drafters cost next to nothing to call, so the decoder may ask
     them for a draft it will not verify, just to see whether it would have hit.
+    A drafter that runs a model also has `propose_rounds(rid, context, budget)`: `propose` as a coroutine that
+    yields its model's forwards (`ForwardCall`s naming the draft engine), so a scheduler batches them; and it may
+    have `propose_free(rid, context, budget)`, its model-free draft, which the decoder takes instead while the
+    sequence shares its verify forward with others.
     """
 
     name: str
@@ -63,9 +68,9 @@ class SuffixDrafter:
     def __init__(
         self,
         cache: SuffixCache | None = None,
-        max_spec_factor: float = 1.0,
-        max_spec_offset: float = 0.0,
-        min_token_prob: float = 0.1,
+        max_spec_factor: float = SUFFIX_SPEC_FACTOR,
+        max_spec_offset: float = SUFFIX_SPEC_OFFSET,
+        min_token_prob: float = SUFFIX_MIN_TOKEN_PROB,
         tree: bool = False,
     ) -> None:
         check_spec_limits(max_spec_factor, max_spec_offset, min_token_prob)

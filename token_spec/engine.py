@@ -20,12 +20,16 @@ T = TypeVar("T")
 @dataclass(slots=True)
 class ForwardCall:
     """Append `token_ids` to `session` (a chain, or a tree by `parents` as `TargetEngine.forward` takes it)
-    and return their logits; `last_only` asks for the last row only (a prefill)."""
+    and return their logits; `last_only` asks for the last row only (a prefill). `engine`: the engine that holds
+    `session` where it is not the generation's own (a draft model's forward); `head`: an output layer in place of
+    the engine's (a draft model's over part of the vocabulary)."""
 
     session: Any
     token_ids: list[int]
     parents: list[int] | None = None
     last_only: bool = False
+    engine: Any = None
+    head: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 @runtime_checkable
@@ -60,26 +64,31 @@ class DraftShare(Protocol):
 
     @property
     def alone(self) -> bool:
-        """Whether its last forward ran it alone (that forward's time is then its own verify cost)."""
+        """Whether its last forward ran it alone (that forward's time is then its own verify cost) and no other
+        sequence waits for its engine now."""
 
 
 # A generation run as a coroutine: it yields the forwards it needs and is sent their logits.
 Rounds = Generator[ForwardCall, torch.Tensor, T]
 
 
+def forward_one(engine: TargetEngine, call: ForwardCall) -> torch.Tensor:
+    """`call` run alone, on its own engine if it names one, else on `engine`."""
+    target = call.engine if call.engine is not None else engine
+    if call.head is not None:
+        return target.forward(call.session, call.token_ids, call.parents, last_only=call.last_only, head=call.head)
+    return target.forward(call.session, call.token_ids, call.parents, last_only=call.last_only)
+
+
 def run_inline(engine: TargetEngine, rounds: Rounds[T]) -> T:
-    """Drive `rounds` alone: each call it yields is run at once on `engine`; returns what it returns."""
+    """Drive `rounds` alone: each call it yields is run at once (on `engine` unless it names its own); returns
+    what it returns."""
     try:
         call = next(rounds)
         while True:
-            call = rounds.send(engine.forward(call.session, call.token_ids, call.parents, last_only=call.last_only))
+            call = rounds.send(forward_one(engine, call))
     except StopIteration as done:
         return done.value
 
 
-def forward_each(forward: Callable[..., torch.Tensor], calls: list[ForwardCall]) -> list[torch.Tensor]:
-    """`forward_batch` for an engine that cannot batch rows: the calls one after another."""
-    return [forward(c.session, c.token_ids, c.parents, last_only=c.last_only) for c in calls]
-
-
-__all__ = ["DraftShare", "ForwardCall", "Rounds", "TargetEngine", "forward_each", "run_inline"]
+__all__ = ["DraftShare", "ForwardCall", "Rounds", "TargetEngine", "forward_one", "run_inline"]

@@ -13,10 +13,37 @@ MAX_DRAFT = 64  # draft tokens per verify round at most: the default of the conf
 # (a verify's fixed cost, streaming the weights, spread over twice the tokens); the adaptive controller
 # picks shorter drafts wherever acceptance or the verify cost calls for them)
 
+# SuffixDecoding's draft limits: a draft from a match of m tokens holds at most SUFFIX_SPEC_FACTOR * m +
+# SUFFIX_SPEC_OFFSET tokens, each at least SUFFIX_MIN_TOKEN_PROB likely (ArcticInference's defaults); read by the
+# suffix cache, its drafter, the simulator and SGLang's suffix backend (the combined drafter sets its own).
+SUFFIX_SPEC_FACTOR = 1.0
+SUFFIX_SPEC_OFFSET = 0.0
+SUFFIX_MIN_TOKEN_PROB = 0.1
+
 MODEL_FREE_KINDS = ("suffix", "suffix-tree", "prompt-lookup", "prompt-lookup-recent", "combined")
 MODEL_DRAFT_KINDS = ("draft-model", "hybrid")  # these need a second (draft) model
+MODEL_DRAFT_SOURCE = "draft-model"  # the `source` of a draft the small model wrote (token stats count them apart)
 DRAFTER_KINDS = (*MODEL_FREE_KINDS, *MODEL_DRAFT_KINDS, "none")
 SINGLE_MODEL_KINDS = (*MODEL_FREE_KINDS, "none")  # what a `LocalModel` (one model, no draft engine) can use
+
+
+AUTO_DRAFTER = "auto"  # the default: PAIR_DRAFTER for a model with a small model that shares its tokenizer, else SOLO
+# A model alone: the combined model-free drafter, the best model-free one measured (`bench/token_spec.py --dtype gguf`,
+# 1.5B, refine/cot/code/pipeline: 1.16-2.39x llama.cpp's plain decode; hybrid, the pair's, 1.16-2.35x).
+SOLO_DRAFTER = "combined"
+PAIR_DRAFTER = "hybrid"  # a large model next to a small one with its tokenizer: the small model drafts too
+DRAFTER_CHOICES = (AUTO_DRAFTER, *DRAFTER_KINDS)  # what a config or `--drafter` may name
+
+
+def resolve_drafter(kind: str, has_draft_model: bool) -> str:
+    """The drafter `kind` names for a model with (or without) a draft model beside it: `auto` is the pair's
+    drafter or the solo one; a kind that needs a draft model and has none is a ValueError."""
+    check_drafter(kind, DRAFTER_CHOICES)
+    if kind == AUTO_DRAFTER:
+        return PAIR_DRAFTER if has_draft_model else SOLO_DRAFTER
+    if kind in MODEL_DRAFT_KINDS and not has_draft_model:
+        raise ValueError(f"drafter {kind!r} needs a draft model: a small local model with the same tokenizer")
+    return kind
 
 
 def check_drafter(kind: str, allowed: tuple[str, ...] = DRAFTER_KINDS) -> str:

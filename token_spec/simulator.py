@@ -21,6 +21,7 @@ from typing import Callable, Hashable, Iterable, Iterator, Sequence
 import itertools
 import time
 
+from thinkahead.token_spec.names import MAX_DRAFT, SUFFIX_MIN_TOKEN_PROB, SUFFIX_SPEC_FACTOR, SUFFIX_SPEC_OFFSET
 from thinkahead.token_spec.draft import Draft
 from thinkahead.token_spec.suffix_cache import SuffixCache
 
@@ -124,10 +125,10 @@ def verify_rounds(
 def replay(
     cache: SuffixCache,
     records: Iterable[tuple[Sequence[int], Sequence[int]]],
-    max_tokens: int = 16,
-    max_spec_factor: float = 1.0,
-    max_spec_offset: float = 0.0,
-    min_token_prob: float = 0.1,
+    max_tokens: int = MAX_DRAFT,
+    max_spec_factor: float = SUFFIX_SPEC_FACTOR,
+    max_spec_offset: float = SUFFIX_SPEC_OFFSET,
+    min_token_prob: float = SUFFIX_MIN_TOKEN_PROB,
     tree: bool = False,
     stats: ReplayStats | None = None,
 ) -> ReplayStats:

@@ -15,6 +15,9 @@ from dataclasses import dataclass, fields
 
 #: The counters a run's cost sums (`cost["spec"]`), named as SGLang's meta_info names them.
 SPEC_COUNTERS = ("spec_verify_ct", "spec_num_proposed_drafts", "spec_num_correct_drafts")
+#: Of those drafts, the ones a draft model (the small one) wrote, and how many it got accepted: in the views only
+#: where a draft model drafted (`hybrid`, `draft-model`); the rest were model-free.
+MODEL_DRAFT_COUNTERS = ("model_drafts", "model_correct_drafts")
 #: Seconds a local decoder measures; None where a backend does not measure them (a server).
 SPEC_TIMINGS = ("draft_time_s", "verify_time_s", "prefill_time_s")
 
@@ -34,6 +37,8 @@ class SpecStats:
     spec_num_proposed_drafts: int = 0  # draft tokens sent for verification
     spec_num_correct_drafts: int = 0  # draft tokens the verifier accepted (a stop may drop some of them)
     grammar_forced_drafts: int = 0  # of the proposed, tokens a grammar forced (drafted for free)
+    model_drafts: int = 0  # of the proposed, tokens a draft model (the small one) wrote; the rest are model-free
+    model_correct_drafts: int = 0  # of those, the ones accepted
     draft_time_s: float | None = None
     verify_time_s: float | None = None
     prefill_time_s: float | None = None
@@ -90,7 +95,7 @@ class SpecStats:
         measured and `spec_accept_length`; empty when nothing was verified."""
         if not self.speculated:
             return {}
-        out: dict[str, float] = {k: getattr(self, k) for k in SPEC_COUNTERS}
+        out: dict[str, float] = self.counters()
         for k in SPEC_TIMINGS:
             value = getattr(self, k)
             if value is not None:
@@ -100,9 +105,12 @@ class SpecStats:
 
     def counters(self) -> dict[str, int]:
         """The summable counters (a run's `cost["spec"]`); empty when nothing was verified."""
-        return {k: getattr(self, k) for k in SPEC_COUNTERS} if self.speculated else {}
+        if not self.speculated:
+            return {}
+        names = SPEC_COUNTERS + MODEL_DRAFT_COUNTERS if self.model_drafts else SPEC_COUNTERS
+        return {k: getattr(self, k) for k in names}
 
 
 _FIELDS = tuple(f.name for f in fields(SpecStats))
 
-__all__ = ["SPEC_COUNTERS", "SPEC_TIMINGS", "SpecStats"]
+__all__ = ["MODEL_DRAFT_COUNTERS", "SPEC_COUNTERS", "SPEC_TIMINGS", "SpecStats"]

@@ -30,6 +30,7 @@ from typing import Any, Callable, Hashable, Iterator, Sequence
 import os
 import time
 
+from thinkahead.token_spec.names import MAX_DRAFT, SUFFIX_MIN_TOKEN_PROB, SUFFIX_SPEC_FACTOR, SUFFIX_SPEC_OFFSET
 from thinkahead.token_spec.draft import Draft
 from thinkahead.token_spec import suffix_impl as impl
 from thinkahead.token_spec.suffix_drafts import _check_draft_args, _checked_tokens, _tree_of_chains
@@ -290,10 +291,10 @@ class SuffixCache(SessionsMixin):
         self,
         rid: Hashable,
         context: Sequence[int],
-        max_tokens: int = 16,
-        max_spec_factor: float = 1.0,
-        max_spec_offset: float = 0.0,
-        min_token_prob: float = 0.1,
+        max_tokens: int = MAX_DRAFT,
+        max_spec_factor: float = SUFFIX_SPEC_FACTOR,
+        max_spec_offset: float = SUFFIX_SPEC_OFFSET,
+        min_token_prob: float = SUFFIX_MIN_TOKEN_PROB,
         tree: bool = False,
     ) -> Draft:
         """Draft a continuation of `context` from the request's tree and the global tree.
@@ -324,10 +325,10 @@ class SuffixCache(SessionsMixin):
     def speculate_batch(
         self,
         requests: Sequence[tuple[Hashable, Sequence[int]]],
-        max_tokens: int = 16,
-        max_spec_factor: float = 1.0,
-        max_spec_offset: float = 0.0,
-        min_token_prob: float = 0.1,
+        max_tokens: int = MAX_DRAFT,
+        max_spec_factor: float = SUFFIX_SPEC_FACTOR,
+        max_spec_offset: float = SUFFIX_SPEC_OFFSET,
+        min_token_prob: float = SUFFIX_MIN_TOKEN_PROB,
         tree: bool = False,
     ) -> list[Draft]:
         """`speculate` for many (request id, context) pairs at once, the same drafts as one call each.
@@ -366,10 +367,10 @@ class SuffixCache(SessionsMixin):
         self,
         rid: Hashable,
         context: Sequence[int],
-        max_tokens: int = 16,
-        max_spec_factor: float = 1.0,
-        max_spec_offset: float = 0.0,
-        min_token_prob: float = 0.1,
+        max_tokens: int = MAX_DRAFT,
+        max_spec_factor: float = SUFFIX_SPEC_FACTOR,
+        max_spec_offset: float = SUFFIX_SPEC_OFFSET,
+        min_token_prob: float = SUFFIX_MIN_TOKEN_PROB,
         tree: bool = True,
         alternatives: int = 3,
     ) -> dict[str, Draft]:

@@ -7,13 +7,14 @@ import array
 import math
 import operator
 
+from thinkahead.token_spec.names import SUFFIX_SPEC_OFFSET
 from thinkahead.token_spec.draft import Draft
 
 MAX_DRAFT_TOKENS = 2**31 - 1  # a draft's budget: the native tree takes a C int
 
 
 def _check_draft_args(max_tokens: int, max_spec_factor: float, min_token_prob: float,
-                      max_spec_offset: float = 0.0) -> None:
+                      max_spec_offset: float = SUFFIX_SPEC_OFFSET) -> None:
     try:
         count = -1 if isinstance(max_tokens, bool) else operator.index(max_tokens)  # any integer type, no bool
     except TypeError:

@@ -29,6 +29,7 @@ from __future__ import annotations
 from typing import Sequence
 import heapq
 
+from thinkahead.token_spec.names import SUFFIX_MIN_TOKEN_PROB, SUFFIX_SPEC_FACTOR, SUFFIX_SPEC_OFFSET
 from thinkahead.token_spec.draft import Draft
 from thinkahead.token_spec.suffix_eviction import CountOrder, remove_sequence
 
@@ -383,9 +384,9 @@ class SuffixTree:
         self,
         positions: list[Position],
         max_tokens: int,
-        max_spec_factor: float = 1.0,
-        max_spec_offset: float = 0.0,
-        min_token_prob: float = 0.1,
+        max_spec_factor: float = SUFFIX_SPEC_FACTOR,
+        max_spec_offset: float = SUFFIX_SPEC_OFFSET,
+        min_token_prob: float = SUFFIX_MIN_TOKEN_PROB,
         tree: bool = False,
     ) -> Draft:
         """Best draft over every match length (SuffixDecoding's rule).

@@ -14,8 +14,12 @@ import click
 from thinkahead.config import default
 from thinkahead.models.weights import DTYPES
 from thinkahead.step_spec.policies import JUDGES, POLICY_NAMES, REPAIRS
+from thinkahead.token_spec.names import DRAFTER_CHOICES, PAIR_DRAFTER, SOLO_DRAFTER
 
 POLICIES = POLICY_NAMES  # the registry's policies for batch runs (run, bench, serve)
+DRAFTER_HELP = (f"The large model's token drafter: auto drafts with the small model and the combined model-free "
+                f"drafter ({PAIR_DRAFTER}) where the small model is local and shares its tokenizer, else "
+                f"{SOLO_DRAFTER} alone [{default('large.drafter')}].")
 
 EXIT_OK, EXIT_RUNS_FAILED, EXIT_INPUT = 0, 1, 2  # docs/cli.md "Exit codes"
 
@@ -124,6 +128,7 @@ def orchestrator_options(fn):
         click.option("--large", default=None, help=f"Large (judging) model spec [{default('large.spec')}]."),
         click.option("--dtype", type=click.Choice(list(DTYPES)), default=None,
                      help=f"Local model dtype [{default('large.dtype')}]."),
+        click.option("--drafter", type=click.Choice(DRAFTER_CHOICES), default=None, help=DRAFTER_HELP),
         click.option("--threshold", type=float, default=None,
                      help=f"specreason: accept drafts scoring at least this [{default('policy.threshold'):g}]."),
         click.option("--judge", type=click.Choice(JUDGES), default=None,
@@ -163,7 +168,7 @@ def orchestrator_options(fn):
 
 def build_settings(config_path, small, large, dtype, threshold, max_steps, max_tokens, step_tokens, no_token_spec,
                    record=None, judge=None, margin=None, word_margin=None, repair=None, router=None,
-                   pre_router=None, gate_logprob=None, **extra: Any) -> dict[str, Any]:
+                   pre_router=None, gate_logprob=None, drafter=None, **extra: Any) -> dict[str, Any]:
     """An `OrchestratorConfig` as a dict: the file's values, overridden by the options given."""
     from pydantic import ValidationError
 
@@ -182,6 +187,8 @@ def build_settings(config_path, small, large, dtype, threshold, max_steps, max_t
             data[tier]["dtype"] = dtype
         if record is not None:
             data[tier]["record"] = str(record)
+    if drafter is not None:
+        data["large"]["drafter"] = drafter
     for key, value in (("threshold", threshold), ("judge", judge), ("margin", margin), ("word_margin", word_margin),
                        ("repair", repair), ("router", router), ("pre_router", pre_router)):
         if value is not None:

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import click
 
-from thinkahead.cli.options import GateLogprob, gate_setting
+from thinkahead.cli.options import DRAFTER_HELP, GateLogprob, gate_setting, model_file_errors
 from thinkahead.config import default
 from thinkahead.models.weights import DTYPES
+from thinkahead.token_spec.names import DRAFTER_CHOICES
 from thinkahead.step_spec.policies import ALL_POLICY_NAMES, JUDGES, REPAIRS, SCORE_MODES, policy_entry
 
 POLICIES = ALL_POLICY_NAMES  # every registered policy, `collect` included
@@ -56,11 +57,13 @@ def _shown(option: str, policy: str = "specreason") -> str:
               help="Token cap per step.")
 @click.option("--no-token-spec", is_flag=True, help="Turn off token-level speculation (the plain baseline).")
 @click.option("--dtype", type=click.Choice(list(DTYPES)), default=default("large.dtype"), show_default=True)
+@click.option("--drafter", type=click.Choice(DRAFTER_CHOICES), default=default("large.drafter"),
+              help=DRAFTER_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print the whole result as JSON.")
-def reason(problem, small_spec, large_spec, policy, max_steps, max_tokens, step_tokens, no_token_spec, dtype, as_json,
-           **policy_options) -> None:  # the rest are the policies' options (`policy_entry(name).options`)
+def reason(problem, small_spec, large_spec, policy, max_steps, max_tokens, step_tokens, no_token_spec, dtype, drafter,
+           as_json, **policy_options) -> None:  # the rest are the policies' options (`policy_entry(name).options`)
     """Reason about PROBLEM step by step: the small model drafts, the large model judges or rewrites."""
-    from thinkahead.models import LocalModel
+    from thinkahead.models.loader import load_pair
     from thinkahead.step_spec.loop import StepBudget, StepLoop
     from thinkahead.step_spec.segment import SegmentConfig
 
@@ -75,7 +78,11 @@ def reason(problem, small_spec, large_spec, policy, max_steps, max_tokens, step_
         segment = SegmentConfig(max_step_tokens=step_tokens)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
-    small, large = LocalModel(small_spec, dtype=dtype), LocalModel(large_spec, dtype=dtype)
+    try:
+        with model_file_errors():
+            small, large = load_pair(small_spec, large_spec, {"dtype": dtype}, {"dtype": dtype, "drafter": drafter})
+    except ValueError as exc:  # a spec that does not resolve, a drafter the pair cannot run
+        raise click.UsageError(str(exc)) from exc
     try:
         loop = StepLoop(small, large, step_policy, segment, budget, speculative=not no_token_spec)
     except ValueError as exc:  # the policy cannot run on these models (it says which setting to change)

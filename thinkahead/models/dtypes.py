@@ -12,3 +12,4 @@ from __future__ import annotations
 
 BFLOAT16, FLOAT32, INT8, GGUF, AUTO = "bfloat16", "float32", "int8", "gguf", "auto"
 DTYPES: tuple[str, ...] = (AUTO, BFLOAT16, FLOAT32, INT8, GGUF)
+DEFAULT_DTYPE = AUTO  # what every entry point loads a local model as (LocalModel, the config, the CLI)

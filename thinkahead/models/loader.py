@@ -18,7 +18,7 @@ REMOTE_PREFIXES = ("openai:", "sglang:")
 # Backends that return no token log-probabilities and cannot score a given continuation (OpenAI's
 # chat API): the agreement check and the confidence gate cannot run on them.
 SCORELESS_PREFIXES = ("openai:",)
-LOCAL_ONLY_OPTIONS = {"dtype", "drafter", "max_draft", "kv_sessions"}  # dropped for remote backends
+LOCAL_ONLY_OPTIONS = {"dtype", "drafter", "draft", "max_draft", "kv_sessions"}  # dropped for remote backends
 
 
 def _openai_parts(spec: str) -> tuple[str, str]:
@@ -78,6 +78,27 @@ def check_hub_model_local(spec: str) -> None:
 def scores_tokens(spec: str) -> bool:
     """Whether the model `spec` names can score tokens (log-probabilities of a given continuation)."""
     return not spec.strip().startswith(SCORELESS_PREFIXES)
+
+
+def load_pair(small: str | LanguageModel, large: str | LanguageModel, small_options: dict[str, Any] | None = None,
+              large_options: dict[str, Any] | None = None) -> tuple[LanguageModel, LanguageModel]:
+    """The small and the large model of an orchestrator. One spec with the same options for both loads once; a
+    large local model drafts with the small one (its `drafter`: "auto" or a draft model's kind) where the small
+    one is local too, sharing its weights and scheduler thread (`LocalModel(draft=)`)."""
+    from thinkahead.models.local import LocalModel
+    from thinkahead.token_spec.names import AUTO_DRAFTER, MODEL_DRAFT_KINDS
+
+    small_options, large_options = dict(small_options or {}), dict(large_options or {})
+    small_model = load_model(small, **small_options)
+    if isinstance(large, LanguageModel):
+        return small_model, large
+    if large == small and large_options == small_options:
+        return small_model, small_model
+    drafter = large_options.get("drafter", AUTO_DRAFTER)
+    if not large.strip().startswith(REMOTE_PREFIXES) and (drafter == AUTO_DRAFTER or drafter in MODEL_DRAFT_KINDS):
+        if isinstance(small_model, LocalModel) and small_model.draft is None:
+            large_options["draft"] = small_model
+    return small_model, load_model(large, **large_options)
 
 
 def load_model(spec: str | LanguageModel, **options: Any) -> LanguageModel:

@@ -11,6 +11,7 @@ one forward per step; callers from any thread or event loop only wait for their 
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import os
 import threading
@@ -23,11 +24,16 @@ from thinkahead.models.base import (
 )
 from thinkahead.models.streaming import TextPiece, TextStream
 from thinkahead.models.templates import repair_chat_template
-from thinkahead.token_spec.batching import BatchScheduler
+from thinkahead.models.dtypes import DEFAULT_DTYPE
+from thinkahead.token_spec.batching import BatchScheduler, Lane
 from thinkahead.token_spec.engine import ForwardCall, Rounds
 from thinkahead.token_spec.grammar import GRAMMAR_KINDS, GrammarSpec, TokenGrammar
-from thinkahead.token_spec.names import MAX_DRAFT, common_prefix_len
+from thinkahead.token_spec.names import (
+    AUTO_DRAFTER, MAX_DRAFT, MODEL_DRAFT_KINDS, SOLO_DRAFTER, common_prefix_len, resolve_drafter,
+)
 from thinkahead.token_spec.recording import TokenRecorder
+
+logger = logging.getLogger(__name__)
 
 KV_SESSIONS = 16  # finished generations whose KV is kept for prefix reuse (a batch of 8 runs, small and large steps)
 KV_MEMORY_SHARE = 0.25  # of the memory free at load, what the kept KV may hold by default
@@ -45,8 +51,12 @@ class LocalModel(LanguageModel):
         dtype: "bfloat16", "float32", "int8" (batch-invariant int8 linears over the dequantized
             weights) or "gguf" (the GGUF file's own blocks, fastest on CPUs; GGUF models only);
             see thinkahead/models/dtypes.py.
-        drafter: token-level drafter for speculative requests ("suffix", "prompt-lookup", ...,
-            "none"); see `thinkahead.token_spec.names.SINGLE_MODEL_KINDS`.
+        drafter: token-level drafter for speculative requests (`thinkahead.token_spec.names.DRAFTER_CHOICES`):
+            "auto" (the default) is "hybrid" with a `draft` model, else "combined"; "hybrid" and "draft-model"
+            need `draft`.
+        draft: a smaller `LocalModel` with the same tokenizer that drafts tokens for this one (`hybrid`,
+            `draft-model`). The two share one scheduler thread (and the small model's weights: nothing is
+            loaded twice); the small model's own requests run as before.
         max_draft: largest draft per verify round.
         kv_sessions: how many finished generations keep their KV for prefix reuse (enough for every
             sequence of a full batch to find its own prefix again).
@@ -60,8 +70,9 @@ class LocalModel(LanguageModel):
         *,
         model: Any = None,
         tokenizer: Any = None,
-        dtype: str = "bfloat16",
-        drafter: str = "suffix",
+        dtype: str = DEFAULT_DTYPE,
+        drafter: str = AUTO_DRAFTER,
+        draft: LocalModel | None = None,
         max_draft: int = MAX_DRAFT,
         kv_sessions: int = KV_SESSIONS,
         kv_tokens: int | None = None,
@@ -71,11 +82,14 @@ class LocalModel(LanguageModel):
     ) -> None:
         from thinkahead.token_spec.backends.hf import HFEngine
         from thinkahead.token_spec.prefix_pool import KVPrefixPool
-        from thinkahead.token_spec.names import SINGLE_MODEL_KINDS, check_drafter
         from thinkahead.token_spec.presets import build_decoder
         from thinkahead.token_spec.suffix_cache import SuffixCache
 
-        check_drafter(drafter, SINGLE_MODEL_KINDS)
+        if draft is not None and not isinstance(draft, LocalModel):
+            raise ValueError(f"draft must be a LocalModel, got {type(draft).__name__}")
+        if draft is not None and draft.draft is not None:
+            raise ValueError(f"draft model {draft.name} drafts with a model itself; give a model that drafts alone")
+        resolve_drafter(drafter, draft is not None)  # an unknown name, or a draft model's kind without one: before loading
         if (spec is None) == (model is None):
             raise ValueError("LocalModel needs either a model spec or model= (with tokenizer=)")
         if model is not None and tokenizer is None:
@@ -85,19 +99,30 @@ class LocalModel(LanguageModel):
 
             model, tokenizer = load_causal_lm(spec, dtype)
         self.name = name or spec or getattr(model.config, "name_or_path", "") or "local"
+        if draft is not None and not same_tokenizer(tokenizer, draft.tokenizer):
+            if drafter != AUTO_DRAFTER:
+                raise ValueError(f"draft model {draft.name} does not share {self.name}'s tokenizer: it cannot draft "
+                                 f"its tokens; use a model-free drafter ({SOLO_DRAFTER})")
+            logger.info("%s drafts alone (%s): %s has another tokenizer", self.name, SOLO_DRAFTER, draft.name)
+            draft = None
+        self.drafter = drafter = resolve_drafter(drafter, draft is not None)  # what "auto" became
+        self.draft = draft if drafter in MODEL_DRAFT_KINDS else None
         self.tokenizer = repair_chat_template(tokenizer)
         self.engine = HFEngine(model)
         self.suffix_cache = cache if cache is not None else SuffixCache()
         kv_tokens = kv_tokens if kv_tokens is not None else kv_token_budget(model)
         self.prefix_pool = KVPrefixPool(self.engine, max_sessions=kv_sessions, max_tokens=kv_tokens)
         common = dict(tokenizer=tokenizer, cache=self.suffix_cache, max_draft=max_draft, prefix_pool=self.prefix_pool)
-        self._speculative = build_decoder(drafter, self.engine, **common)
+        draft_engine = self.draft.engine if self.draft is not None else None
+        self._speculative = build_decoder(drafter, self.engine, draft_engine=draft_engine, **common)
         self._plain = build_decoder("none", self.engine, **common)
         self.stop_token_ids = self._stop_token_ids()
         self.grammars = TokenGrammar(tokenizer, _vocab_size(model, tokenizer), self.stop_token_ids)
         threading.Thread(target=self.grammars.warm, name="grammar-tokenizer", daemon=True).start()  # ~1 s
-        # the one thread that runs this model's engine, drafters, suffix cache and prefix pool (none thread-safe)
-        self.scheduler = BatchScheduler(self.engine, name=self.name)
+        # the one thread that runs this model's engine, drafters, suffix cache and prefix pool (none thread-safe):
+        # with a draft model, that model's thread (the drafter runs its engine)
+        self.scheduler: BatchScheduler | Lane = (BatchScheduler(self.engine, name=self.name) if self.draft is None
+                                                 else self.draft.scheduler.lane(self.engine))
         self.recorder = TokenRecorder(record) if record is not None else None  # for `thinkahead simulate`
 
     # ------------------------------------------------------------------ LanguageModel
@@ -418,6 +443,16 @@ def kv_token_budget(model: Any, share: float = KV_MEMORY_SHARE) -> int | None:
         return None
     per_token = layers * 2 * heads * dim * 4
     return max(1, int(free * share) // per_token) if per_token > 0 and free > 0 else None
+
+
+def same_tokenizer(a: Any, b: Any) -> bool:
+    """Whether two tokenizers give every text the same ids (the same vocabulary, special tokens included)."""
+    if a is b:
+        return True
+    try:
+        return len(a) == len(b) and a.get_vocab() == b.get_vocab()
+    except (AttributeError, TypeError):
+        return False
 
 
 def _vocab_size(model: Any, tokenizer: Any) -> int:

@@ -146,15 +146,14 @@ class HFEngine:
         ready = getattr(self.model, "ragged_ready", None)
         return bool(ready is not None and ready())
 
-    def forward_batch(self, calls: list[ForwardCall],
-                      head: Callable[[torch.Tensor], torch.Tensor] | None = None) -> list[torch.Tensor]:
+    def forward_batch(self, calls: list[ForwardCall]) -> list[torch.Tensor]:
         """The logits of every call, as `forward` gives them call by call, the same bits; where the engine
         `batches_rows`, in one forward over every call's tokens (each sequence attends only to its own
-        cache). A session may appear in one call only."""
+        cache; each call's rows through its own `head`, if it has one). A session may appear in one call only."""
         if len({id(c.session) for c in calls}) != len(calls):
             raise ValueError("a batch may hold each session in one call only")
         if len(calls) < 2 or not self.batches_rows:
-            return [self.forward(c.session, c.token_ids, c.parents, c.last_only, head) for c in calls]
+            return [self.forward(c.session, c.token_ids, c.parents, c.last_only, c.head) for c in calls]
         ids: list[int] = []
         positions, segments, chains = [], [], []
         for c in calls:  # everything checked before any cache changes
@@ -182,15 +181,18 @@ class HFEngine:
                 rows.extend([first + n - 1] if c.last_only else range(first, first + n))
                 first += n
             kept = hidden[torch.tensor(rows)]
-            logits = (self.model.lm_head if head is None else head)(kept).float()
-        out = []
-        for c, chain, (at, count) in zip(calls, chains, picks):
+            if all(c.head is None for c in calls):
+                logits = self.model.lm_head(kept).float()
+                outs = [logits[at:at + count] for at, count in picks]
+            else:  # heads differ in width (each draft request keeps its own ids): each call's rows through its own
+                outs = [(self.model.lm_head if c.head is None else c.head)(kept[at:at + count]).float()
+                        for c, (at, count) in zip(calls, picks)]
+        for c, chain in zip(calls, chains):
             start = c.session.length
             c.session.length = start + len(c.token_ids)
             c.session.last_start, c.session.last_parents = start, chain
             self.forwarded_tokens += len(c.token_ids)
-            out.append(logits[at:at + count])
-        return out
+        return outs
 
     def keep_path(self, session: EngineSession, start: int, path: list[int]) -> None:
         """Keep only the nodes `path` (root-to-node, strictly increasing) of the forward that began at `start`.

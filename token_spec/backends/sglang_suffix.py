@@ -62,6 +62,7 @@ from typing import Any
 
 import numpy as np
 
+from thinkahead.token_spec.names import SUFFIX_MIN_TOKEN_PROB, SUFFIX_SPEC_FACTOR, SUFFIX_SPEC_OFFSET
 from thinkahead.token_spec.draft import Draft
 from thinkahead.token_spec.suffix_cache import SuffixCache
 from thinkahead.token_spec.suffix_drafts import check_spec_limits
@@ -80,9 +81,9 @@ class SuffixSettings:
 
     max_depth: int = 24
     max_cached_requests: int = 10_000
-    max_spec_factor: float = 1.0
-    max_spec_offset: float = 0.0
-    min_token_prob: float = 0.1
+    max_spec_factor: float = SUFFIX_SPEC_FACTOR
+    max_spec_offset: float = SUFFIX_SPEC_OFFSET
+    min_token_prob: float = SUFFIX_MIN_TOKEN_PROB
     tree: bool = True
     cache_file: str | None = None
 

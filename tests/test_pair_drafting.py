@@ -1,0 +1,133 @@
+"""The pair drafts for itself: a large `LocalModel` with a small one beside it (`draft=`) drafts with it
+(`hybrid`), on the small model's scheduler thread; the draft model's forwards run in one batch with the small
+model's own work; greedy output stays the plain greedy output; the token stats say who drafted what."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+
+import pytest
+
+pytest.importorskip("thinkahead.models._layer_native")
+pytest.importorskip("thinkahead.models._kquant_native")
+
+from thinkahead.models import gguf_native
+from thinkahead.models.base import GenerationRequest
+from thinkahead.models.local import LocalModel
+from thinkahead.token_spec.backends.hf import HFEngine
+from thinkahead.token_spec.batching import BatchScheduler
+from thinkahead.token_spec.engine import ForwardCall
+
+from tests.test_gguf_native import tiny_config, write_tiny_gguf
+from tests.tiny_models import byte_tokenizer
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    """Two tiny GGUF models with one tokenizer and different weights (the tied one's output layer is its
+    embedding table): a target and its draft model."""
+    folder = tmp_path_factory.mktemp("pair")
+    target, draft = folder / "target.gguf", folder / "draft.gguf"
+    write_tiny_gguf(target)
+    write_tiny_gguf(draft, tied=True)
+    return target, draft
+
+
+def build(path, name, **options) -> LocalModel:
+    return LocalModel(model=gguf_native.build_model(path, tiny_config()), tokenizer=byte_tokenizer(), name=name,
+                      **options)
+
+
+@pytest.fixture(scope="module")
+def pair(paths):
+    """A draft model with the target's weights (a copy): its drafts hit, so every kind of round happens."""
+    small = build(paths[0], "small")
+    return small, build(paths[0], "large", draft=small)
+
+
+QUESTIONS = [f"Q{i}: name {i} things you find in a {['kitchen', 'garden', 'shed', 'car'][i % 4]}." for i in range(6)]
+
+
+def request(text: str, speculative: bool = True, n: int = 24) -> GenerationRequest:
+    return GenerationRequest(prompt=text, max_new_tokens=n, temperature=0, stop=[], speculative=speculative)
+
+
+def test_auto_is_hybrid_with_a_draft_model_and_combined_without(pair, paths) -> None:
+    small, large = pair
+    assert (small.drafter, small.draft) == ("combined", None)  # a model alone: the best model-free drafter
+    assert large.drafter == "hybrid" and large.draft is small
+    assert large.scheduler.scheduler is small.scheduler  # one thread owns both engines
+    assert large._speculative.drafter.model.engine is small.engine  # the small model's weights, not a copy
+
+
+def test_the_pair_stays_exact_alone_and_together_and_says_who_drafted(pair) -> None:
+    small, large = pair
+    solo = [large.generate_sync(request(q, speculative=False)).token_ids for q in QUESTIONS]
+    alone = large.generate_sync(request(QUESTIONS[0]))
+    assert alone.token_ids == solo[0]
+    assert alone.spec.model_drafts > 0  # alone, the small model drafted
+    assert 0 < alone.spec.model_correct_drafts <= alone.spec.model_drafts
+    assert alone.spec.counters()["model_drafts"] == alone.spec.model_drafts
+    small_solo = small.generate_sync(request(QUESTIONS[1], speculative=False)).token_ids
+    # together: the large model's generations and the small model's own, all on one thread
+    futures = [large.scheduler.submit(lambda q=q: large._completion_rounds(large.encode(q), request(q), None))
+               for q in QUESTIONS]
+    own = small.scheduler.submit(lambda: small._completion_rounds(small.encode(QUESTIONS[1]), request(QUESTIONS[1]),
+                                                                  None))
+    assert [f.result(timeout=120).token_ids for f in futures] == solo
+    assert own.result(timeout=120).token_ids == small_solo
+
+
+def test_a_draft_models_forward_joins_the_small_models_batch(paths, monkeypatch) -> None:
+    """A call that names another engine (a draft model's) runs in that engine's forward of the step, with that
+    engine's own work, before the verifies; each result is the forward alone's."""
+    draft_engine = HFEngine(gguf_native.build_model(paths[1], tiny_config()))
+    target_engine = HFEngine(gguf_native.build_model(paths[0], tiny_config()))
+    scheduler = BatchScheduler(draft_engine)
+    lane = scheduler.lane(target_engine)
+    sizes: list[tuple[str, int]] = []
+    for label, engine in (("draft", draft_engine), ("target", target_engine)):
+        real = engine.forward_batch
+        monkeypatch.setattr(engine, "forward_batch",
+                            lambda calls, real=real, label=label: sizes.append((label, len(calls))) or real(calls))
+    tokens = [5, 9, 14, 3, 22, 7]
+
+    def drafting():  # a target generation that asks the draft model first, then verifies
+        drafted = yield ForwardCall(draft_engine.new_session(), tokens, last_only=True, engine=draft_engine)
+        verified = yield ForwardCall(target_engine.new_session(), tokens)
+        return drafted, verified
+
+    def own():  # the draft model's own generation
+        return (yield ForwardCall(draft_engine.new_session(), tokens[:4]))
+
+    gate: Future = Future()
+    scheduler.submit(lambda: gate.result(timeout=30))  # holds the thread until both are queued
+    first, second = lane.submit(drafting), scheduler.submit(own)
+    time.sleep(0.05)
+    gate.set_result(None)
+    drafted, verified = first.result(timeout=60)
+    mine = second.result(timeout=60)
+    assert sizes == [("draft", 2), ("target", 1)]
+    assert drafted.equal(draft_engine.forward(draft_engine.new_session(), tokens, last_only=True))
+    assert verified.equal(target_engine.forward(target_engine.new_session(), tokens))
+    assert mine.equal(draft_engine.forward(draft_engine.new_session(), tokens[:4]))
+    scheduler.close()
+
+
+def test_a_draft_model_with_another_tokenizer(paths) -> None:
+    small = build(paths[1], "small")
+    other = byte_tokenizer()
+    other.add_tokens(["<extra>"])
+    large = LocalModel(model=gguf_native.build_model(paths[0], tiny_config()), tokenizer=other, name="large",
+                       draft=small)
+    assert (large.drafter, large.draft) == ("combined", None)  # auto: drafts alone
+    assert large.scheduler is not small.scheduler
+    with pytest.raises(ValueError, match="does not share large's tokenizer"):
+        LocalModel(model=gguf_native.build_model(paths[0], tiny_config()), tokenizer=other, name="large",
+                   draft=small, drafter="hybrid")
+    with pytest.raises(ValueError, match="needs a draft model"):
+        LocalModel(model=gguf_native.build_model(paths[0], tiny_config()), tokenizer=byte_tokenizer(),
+                   drafter="draft-model")
+    with pytest.raises(ValueError, match="draft must be a LocalModel"):
+        LocalModel(model=gguf_native.build_model(paths[0], tiny_config()), tokenizer=byte_tokenizer(), draft="small")
