@@ -157,21 +157,43 @@ class SpecReason(Policy):
 class SpecReasonRun:
     """One run of `SpecReason`: its judge, its router and its lookahead guess."""
 
-    __slots__ = ("options", "verifier", "router", "_ahead")
+    __slots__ = ("options", "verifier", "router", "_ahead", "_probed")
 
     def __init__(self, options: SpecReasonOptions, verifier: StepVerifier, router: Any = None) -> None:
         self.options = options
         self.verifier = verifier
         self.router = router  # shared and stateless (a pure function of the step's features)
         self._ahead: tuple[str, asyncio.Task[Written]] | None = None  # (reasoning it continues, draft task)
+        self._probed = False
 
     async def next_step(self, ctx: StepContext) -> StepOutcome:
+        if not self._probed:
+            await self._probe_scores(ctx)
+            self._probed = True
         if ctx.index < self.options.first_large_steps:
             return outcome(await write_step(ctx, "large"), "forced")
         t0 = time.perf_counter()
         out = await self._routed(ctx) or await self._drafted(ctx)
         out.time_s = time.perf_counter() - t0
         return out
+
+    async def _probe_scores(self, ctx: StepContext) -> None:
+        """Before the run's first step: a model whose scores this run needs and whose server decides whether it
+        gives them (`OpenAIModel.probe_scores`, probed once per model) is asked now, and refused by name here
+        rather than at its first judge call."""
+        from thinkahead.verifiers.agreement import AgreementVerifier
+
+        needs = scoring_needs(self.options)
+        if not isinstance(self.verifier, AgreementVerifier):
+            needs.pop("large", None)  # a given verifier brings its own requirements
+        for tier, why in needs.items():
+            probe = getattr(ctx.small if tier == "small" else ctx.large, "probe_scores", None)
+            if probe is None:
+                continue
+            try:
+                await probe()
+            except ValueError as exc:  # ScoresUnavailable: the model, its URL and what was probed
+                raise ValueError(f"specreason: {why}, and {exc}") from exc
 
     async def _routed(self, ctx: StepContext) -> StepOutcome | None:
         """The pre-router's choice: the large model writes the step undrafted ("routed"), or None."""

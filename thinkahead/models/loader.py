@@ -15,9 +15,11 @@ from typing import Any
 from thinkahead.models.base import LanguageModel
 
 REMOTE_PREFIXES = ("openai:", "sglang:")
-# Backends that return no token log-probabilities and cannot score a given continuation (OpenAI's
-# chat API): the agreement check and the confidence gate cannot run on them.
-SCORELESS_PREFIXES = ("openai:",)
+# Specs whose backend can never score a given continuation, refused before anything loads: none today.
+# `openai:` servers are probed instead, once, when scores are first needed (vLLM, SGLang and thinkahead
+# serve score by echo, llama-server by its native /completion; any other is refused then, by name: see
+# `thinkahead.models.remote_scores`); `sglang:` scores through /generate.
+SCORELESS_PREFIXES: tuple[str, ...] = ()
 LOCAL_ONLY_OPTIONS = {"dtype", "drafter", "draft", "max_draft", "kv_sessions"}  # dropped for remote backends
 
 
@@ -76,7 +78,8 @@ def check_hub_model_local(spec: str) -> None:
 
 
 def scores_tokens(spec: str) -> bool:
-    """Whether the model `spec` names can score tokens (log-probabilities of a given continuation)."""
+    """Whether the model `spec` names may score tokens (log-probabilities of a given continuation), as far as
+    the spec alone says: a remote server's own answer comes from its probe (`OpenAIModel.probe_scores`)."""
     return not spec.strip().startswith(SCORELESS_PREFIXES)
 
 

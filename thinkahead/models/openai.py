@@ -11,6 +11,10 @@ neither (llama.cpp's OpenAI endpoint, others) gets requests with stop strings st
 cut client-side at the first stop string, the stream closed there (the server stops generating). A
 server is taken to report stops once a reply or chunk carries either field; until then, streaming.
 `usage.prompt_tokens_details.cached_tokens` gives `cached_tokens`.
+Token scores (`continuation_scores`, `token_logprobs`: the agreement judge, token repair) come by the method the
+server takes, probed once when first needed: `echo` on `/v1/completions` (vLLM, SGLang, thinkahead serve) or
+llama-server's native `/completion` (see `thinkahead.models.remote_scores`); a server that takes neither is
+refused by name (`ScoresUnavailable`).
 Token-level speculation (`GenerationRequest.speculative`) is the server's business and is not sent.
 Transport, retries and errors come from `thinkahead.models.http.HttpClient`.
 """
@@ -28,6 +32,9 @@ from thinkahead.models.base import (
     Completion,
     GenerationRequest,
     LanguageModel,
+    TokenLogprob,
+    TokenScore,
+    encode_prompt,
     observed,
     prompt_text,
     render_chat,
@@ -35,6 +42,7 @@ from thinkahead.models.base import (
     resolve_tokenizer,
 )
 from thinkahead.models.http import DEFAULT_CALL_TIMEOUT_S, HttpClient, ModelServerError, bearer_headers
+from thinkahead.models.remote_scores import RemoteScorer
 from thinkahead.token_spec.grammar import plain_schema
 
 log = logging.getLogger(__name__)
@@ -51,9 +59,10 @@ class OpenAIModel(LanguageModel):
             (`timeout_s` is per attempt; `call_timeout_s` bounds a request's attempts and backoff
             sleeps together; a completion is resent only when it cannot have reached the server
             or the server asked for it, see `thinkahead.models.http`).
-        tokenizer: an optional Hugging Face tokenizer used by `render` (its chat template) and
-            `count_tokens`; without it prompts are rendered as plain "role: content" blocks and
-            tokens are estimated.
+        tokenizer: an optional Hugging Face tokenizer (or a model spec naming one) used by `render` (its chat
+            template), `count_tokens`, `encode` and token scoring (the ids scored are its ids); without it prompts
+            are rendered as plain "role: content" blocks, tokens are estimated, and scoring asks the server's
+            `/tokenize`.
         extra_body: extra fields merged into every completions request (e.g. vLLM/SGLang sampling
             extensions such as `{"skip_special_tokens": False}`).
 
@@ -93,6 +102,7 @@ class OpenAIModel(LanguageModel):
             headers=bearer_headers(api_key, "OPENAI_API_KEY"),
             call_timeout_s=call_timeout_s,
         )
+        self.scorer = RemoteScorer(self)
 
     def __repr__(self) -> str:
         return f"OpenAIModel({self.model!r}, base_url={self.client.base_url!r})"
@@ -221,6 +231,13 @@ class OpenAIModel(LanguageModel):
         choice = self._first_choice(reply)
         logprobs = choice.get("logprobs")
         top = logprobs.get("top_logprobs") if isinstance(logprobs, dict) else None
+        content = logprobs.get("content") if isinstance(logprobs, dict) else None
+        if isinstance(content, list) and content and isinstance(content[0], dict):
+            # llama-server answers /v1/completions logprobs in the chat shape: content[0].top_logprobs
+            # is a list of {id, token, bytes, logprob}
+            rows = content[0].get("top_logprobs")
+            if isinstance(rows, list) and all(isinstance(r, dict) for r in rows):
+                top = [{str(r.get("token")): r.get("logprob") for r in reversed(rows)}]
         if not isinstance(top, list) or not top or not isinstance(top[0], dict):
             raise ModelServerError(f"completions reply has no logprobs.top_logprobs[0]: {logprobs!r}"[:500])
         try:
@@ -228,6 +245,40 @@ class OpenAIModel(LanguageModel):
         except (TypeError, ValueError) as exc:
             raise ModelServerError(f"top_logprobs[0] is not token -> number: {top[0]!r}"[:500]) from exc
         return dict(ranked[:top_k])
+
+    # -- token scores (thinkahead.models.remote_scores) --------------------------------------------
+
+    @property
+    def scores_tokens(self) -> bool:
+        """True until a probe of the server found no way to score tokens (`probe_scores` decides)."""
+        return self.scorer.may_score
+
+    async def probe_scores(self) -> str:
+        """The method the server scores tokens by ("echo" or "llama"), probed once; `ScoresUnavailable`
+        (naming the model, the URL and each probe's answer) where it takes none."""
+        return await self.scorer.probe()
+
+    async def continuation_scores(self, prompt: str, continuation: str) -> list[TokenScore]:
+        return await self.scorer.continuation(prompt, continuation)
+
+    async def continuation_logprobs(self, prompt: str, continuation: str) -> list[float]:
+        return [t.logprob for t in await self.scorer.continuation(prompt, continuation)]
+
+    async def token_logprobs(self, token_ids: list[int], start: int, top_k: int = 0) -> list[TokenLogprob]:
+        if not isinstance(top_k, int) or top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0, got {top_k!r}")
+        scored = await self.scorer.score([int(t) for t in token_ids], start, max(1, top_k))
+        return [TokenLogprob(t.token_id, t.text, t.logprob, t.top[:top_k]) for t in scored]
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError(f"OpenAIModel {self.model!r}.encode needs a tokenizer (pass tokenizer=)")
+        return encode_prompt(self.tokenizer, text)
+
+    def decode_tokens(self, token_ids: list[int]) -> list[str]:
+        if self.tokenizer is None:
+            raise ValueError(f"OpenAIModel {self.model!r}.decode_tokens needs a tokenizer (pass tokenizer=)")
+        return [self.tokenizer.decode([int(t)]) for t in token_ids]
 
     def render(self, messages: list[dict[str, str]], continue_final: bool = False) -> str:
         if self.tokenizer is not None:
