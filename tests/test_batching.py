@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from concurrent.futures import Future
 
 import pytest
 import torch
@@ -271,3 +272,42 @@ def test_max_batch_one_runs_one_sequence_per_forward_oldest_first_with_the_same_
     scheduler.close()
     with pytest.raises(ValueError, match="max_batch"):
         BatchScheduler(engine, max_batch=0)
+
+
+def test_a_kv_budget_admits_what_fits_in_arrival_order_and_never_drops_work(engine, monkeypatch) -> None:
+    """Each generation reserves its prompt and longest output; under `max_tokens` the rest wait for room, and one
+    larger than the whole budget still runs, alone."""
+    decoder = build_decoder("none", engine)
+    sizes = counting(engine, monkeypatch)
+    prompts = [prompt(s, 10) for s in range(4)]
+    expected = [plain_greedy(engine, p, 8) for p in prompts]
+    for budget, widest in ((40, 2), (20, 1)):  # 18 tokens each: two fit in 40, one in 20
+        sizes.clear()
+        scheduler, gate = BatchScheduler(engine, max_tokens=budget), Future()
+        scheduler.submit(lambda: gate.result(timeout=30))  # holds the thread until all four are queued
+        futures = [scheduler.submit(lambda p=p: decoder.rounds(p, 8, stop_token_ids=[]), tokens=len(p) + 8)
+                   for p in prompts]
+        gate.set_result(None)
+        assert [f.result(timeout=60).token_ids for f in futures] == expected
+        assert max(sizes) == widest and scheduler.peak_batch == widest
+        huge = scheduler.submit(lambda: decoder.rounds(prompts[0], 8, stop_token_ids=[]), tokens=10 * budget)
+        assert huge.result(timeout=60).token_ids == expected[0]
+        scheduler.close()
+    with pytest.raises(ValueError, match="tokens must be >= 0"):
+        BatchScheduler(engine).submit(lambda: 1, tokens=-1)
+    with pytest.raises(ValueError, match="max_tokens"):
+        BatchScheduler(engine, max_tokens=0)
+
+
+def test_a_local_model_reserves_each_requests_prompt_and_output(gguf_path) -> None:
+    model = LocalModel(model=gguf_native.build_model(gguf_path, tiny_config()), tokenizer=byte_tokenizer(),
+                       name="small-kv", kv_live_tokens=60)
+    assert model.scheduler._main.max_tokens == 60
+    requests = [GenerationRequest(prompt=q, max_new_tokens=20, temperature=0, stop=[]) for q in QUESTIONS[:3]]
+    solo = [model.generate_sync(r).token_ids for r in requests]
+
+    async def together():
+        return await asyncio.gather(*(model.generate(r) for r in requests))
+
+    assert [c.token_ids for c in asyncio.run(together())] == solo
+    assert model.scheduler.peak_batch == 1  # a prompt of ~40 tokens and 20 more: one at a time in 60

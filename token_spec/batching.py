@@ -18,6 +18,9 @@ engine, and a call may name the engine it runs on (a draft model's forward). Eac
 engine over the calls waiting for it: the small model's own generations and every sequence's draft tokens in one,
 the large model's verifies in the other.
 
+Memory: under a KV budget (`max_tokens`) a generation starts only while the live ones' reserved tokens (prompt
+and longest output each) leave room for its own; the rest wait in arrival order. Nothing live is ever preempted.
+
 Load: a long prompt is prefilled in pieces of `prefill_chunk` tokens while others decode, so it holds them
 for one piece per step at most; a step holds at most `max_rows` rows (decode rounds first, then prefill
 chunks in arrival order, at least one call per step). Speculation is sized by goodput (SmartSpec): after
@@ -99,6 +102,7 @@ class _Engine:
 
     engine: TargetEngine
     prefill_chunk: int | None  # prefills are cut into pieces only where that gives the same bits (_batch)
+    max_tokens: int | None = None  # KV tokens its live sequences may reserve in all (None: no limit)
     cost: CostCurve = field(default_factory=lambda: CostCurve(smoothing=0.25, prior_slope=COST_SLOPE))  # rows - 1 -> s
 
 
@@ -115,6 +119,7 @@ class _Live:
     cancelled: bool = False  # set from any thread: the work leaves the batch before its next step
     accept: float = INITIAL_ACCEPT  # its drafts' acceptance rate, as its decoder last said
     batch: int = 1  # sequences in its last forward
+    tokens: int = 0  # the KV tokens it may grow to (its prompt and longest output), reserved while it is live
 
 
 class BatchScheduler:
@@ -126,16 +131,19 @@ class BatchScheduler:
     """
 
     def __init__(self, engine: TargetEngine, *, prefill_chunk: int = PREFILL_CHUNK, max_rows: int = MAX_BATCH_ROWS,
-                 max_batch: int | None = None, goodput: bool = True, name: str = "engine") -> None:
+                 max_batch: int | None = None, goodput: bool = True, max_tokens: int | None = None,
+                 name: str = "engine") -> None:
         if prefill_chunk < 1 or max_rows < 1 or (max_batch is not None and max_batch < 1):
             raise ValueError(f"prefill_chunk, max_rows and max_batch must be >= 1, got {prefill_chunk}, {max_rows} "
                              f"and {max_batch}")
+        check_max_tokens(max_tokens)
         self.max_batch = max_batch  # sequences in one forward at most (None: all live; 1: one at a time)
         self.goodput = goodput  # plan drafts by goodput in a batch; False: each decoder's controller alone
         self.engine = engine
         self._prefill_chunk = prefill_chunk
         self._engines: dict[int, _Engine] = {}  # id of an engine -> its state
         self._main = self._engine(engine)
+        self._main.max_tokens = max_tokens
         self.max_rows = max_rows
         self._plan: dict[int, int] = {}  # id of a live item -> its draft length for the next round
         self.name = name
@@ -165,21 +173,30 @@ class BatchScheduler:
             lane = self._engines[id(engine)] = _Engine(engine, chunk)
         return lane
 
-    def lane(self, engine: TargetEngine) -> Lane:
+    def lane(self, engine: TargetEngine, max_tokens: int | None = None) -> Lane:
         """This scheduler as another engine's: what is submitted through the lane runs on `engine`, on this
-        scheduler's thread (with everything else it runs), in one forward per step with that engine's work."""
+        scheduler's thread (with everything else it runs), in one forward per step with that engine's work;
+        `max_tokens`: that engine's KV budget for live sequences (as `BatchScheduler(max_tokens=)`)."""
+        check_max_tokens(max_tokens)
         with self._cv:
-            return Lane(self, self._engine(engine))
+            lane = self._engine(engine)
+            lane.max_tokens = max_tokens
+            return Lane(self, lane)
 
     # ------------------------------------------------------------------ from any thread
-    def submit(self, start: Callable[[], Rounds[T] | T], *, _lane: _Engine | None = None) -> Future[T]:
+    def submit(self, start: Callable[[], Rounds[T] | T], *, tokens: int = 0,
+               _lane: _Engine | None = None) -> Future[T]:
         """Run `start()` on the scheduler's thread (see the class docstring); its outcome lands in the future.
-        Cancelling the future stops the work at its next step (its coroutine is closed: its `finally` runs)."""
+        Cancelling the future stops the work at its next step (its coroutine is closed: its `finally` runs).
+        `tokens`: the KV tokens the work may grow to (prompt and longest output); under a `max_tokens` budget it
+        starts once the live sequences leave room for it (in arrival order; alone, it always starts)."""
+        if tokens < 0:
+            raise ValueError(f"tokens must be >= 0, got {tokens}")
         future: Future[T] = Future()
         with self._cv:
             if self._closed:
                 raise RuntimeError(f"the scheduler of {self.name} is closed")
-            item = _Live(start, future, _lane or self._main)
+            item = _Live(start, future, _lane or self._main, tokens=tokens)
             self._new.append(item)
             self._items[id(future)] = item
             future.add_done_callback(self._forget)
@@ -202,11 +219,11 @@ class BatchScheduler:
         with self._cv:
             self._items.pop(id(future), None)
 
-    def run(self, start: Callable[[], Rounds[T] | T], *, _lane: _Engine | None = None) -> T:
+    def run(self, start: Callable[[], Rounds[T] | T], *, tokens: int = 0, _lane: _Engine | None = None) -> T:
         """`submit(start)` and wait for its result (from any thread but the scheduler's own)."""
         if threading.current_thread() is self._thread:
             raise RuntimeError("run() on the scheduler's own thread would wait for itself")
-        return self.submit(start, _lane=_lane).result()
+        return self.submit(start, tokens=tokens, _lane=_lane).result()
 
     def share(self) -> _Share:
         """The `DraftShare` of the work being started: call it inside `start` (on the scheduler's thread)."""
@@ -244,7 +261,7 @@ class BatchScheduler:
                 if self._closed:
                     pending, self._new = list(self._new), deque()
                     break
-                new, self._new = list(self._new), deque()
+                new = self._admit()
             for item in new:
                 self._start(item)
             self._drop_cancelled()
@@ -258,6 +275,25 @@ class BatchScheduler:
         for item in pending + self._live:
             self._finish(item, error=CancelledError())
         self._live = []
+
+    def _admit(self) -> list[_Live]:
+        """The queued work that starts now (under the lock): per engine in arrival order, while its live sequences'
+        reserved KV tokens leave room (`max_tokens`); the first that does not fit holds the ones behind it."""
+        used: dict[int, int] = {}
+        for item in self._live:
+            used[id(item.lane)] = used.get(id(item.lane), 0) + item.tokens
+        admitted, waiting, held = [], deque(), set()
+        for item in self._new:
+            lane, taken = item.lane, used.get(id(item.lane), 0)
+            fits = lane.max_tokens is None or taken == 0 or taken + item.tokens <= lane.max_tokens
+            if item.cancelled or (fits and id(lane) not in held):
+                admitted.append(item)
+                used[id(lane)] = taken + item.tokens
+            else:
+                held.add(id(lane))
+                waiting.append(item)
+        self._new = waiting
+        return admitted
 
     def _start(self, item: _Live) -> None:
         if not item.future.set_running_or_notify_cancel():
@@ -400,6 +436,11 @@ class BatchScheduler:
                 item.call = replace(item.call, token_ids=item.call.token_ids[len(call.token_ids):])
 
 
+def check_max_tokens(max_tokens: int | None) -> None:
+    if max_tokens is not None and max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1 or None, got {max_tokens}")
+
+
 class Lane:
     """A `BatchScheduler` seen as another engine's (`BatchScheduler.lane`): the same thread and steps."""
 
@@ -412,11 +453,11 @@ class Lane:
     def engine(self) -> TargetEngine:
         return self._lane.engine
 
-    def submit(self, start: Callable[[], Rounds[T] | T]) -> Future[T]:
-        return self.scheduler.submit(start, _lane=self._lane)
+    def submit(self, start: Callable[[], Rounds[T] | T], *, tokens: int = 0) -> Future[T]:
+        return self.scheduler.submit(start, tokens=tokens, _lane=self._lane)
 
-    def run(self, start: Callable[[], Rounds[T] | T]) -> T:
-        return self.scheduler.run(start, _lane=self._lane)
+    def run(self, start: Callable[[], Rounds[T] | T], *, tokens: int = 0) -> T:
+        return self.scheduler.run(start, tokens=tokens, _lane=self._lane)
 
     def cancel(self, future: Future) -> None:
         self.scheduler.cancel(future)

@@ -37,6 +37,7 @@ logger = logging.getLogger(__name__)
 
 KV_SESSIONS = 16  # finished generations whose KV is kept for prefix reuse (a batch of 8 runs, small and large steps)
 KV_MEMORY_SHARE = 0.25  # of the memory free at load, what the kept KV may hold by default
+KV_LIVE_SHARE = 0.5  # of the memory free at load, what live generations may reserve by default
 
 # Chat-turn end markers of the supported families, used as stop tokens next to the eos token.
 TURN_END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<end_of_turn>", "<|eot_id|>", "<|end|>")
@@ -62,6 +63,8 @@ class LocalModel(LanguageModel):
             sequence of a full batch to find its own prefix again).
         kv_tokens: the tokens those kept caches hold in all (None: `KV_MEMORY_SHARE` of the memory free
             at load, by the model's float32 K/V bytes per token).
+        kv_live_tokens: the KV tokens live generations may reserve in all (each its prompt and
+            `max_new_tokens`); more wait for room (None: `KV_LIVE_SHARE` of the memory free at load).
     """
 
     def __init__(
@@ -76,6 +79,7 @@ class LocalModel(LanguageModel):
         max_draft: int = MAX_DRAFT,
         kv_sessions: int = KV_SESSIONS,
         kv_tokens: int | None = None,
+        kv_live_tokens: int | None = None,
         cache: Any = None,
         name: str | None = None,
         record: str | os.PathLike[str] | None = None,
@@ -121,15 +125,18 @@ class LocalModel(LanguageModel):
         threading.Thread(target=self.grammars.warm, name="grammar-tokenizer", daemon=True).start()  # ~1 s
         # the one thread that runs this model's engine, drafters, suffix cache and prefix pool (none thread-safe):
         # with a draft model, that model's thread (the drafter runs its engine)
-        self.scheduler: BatchScheduler | Lane = (BatchScheduler(self.engine, name=self.name) if self.draft is None
-                                                 else self.draft.scheduler.lane(self.engine))
+        live = kv_live_tokens if kv_live_tokens is not None else kv_token_budget(model, KV_LIVE_SHARE)
+        self.scheduler: BatchScheduler | Lane = (
+            BatchScheduler(self.engine, name=self.name, max_tokens=live) if self.draft is None
+            else self.draft.scheduler.lane(self.engine, max_tokens=live))
         self.recorder = TokenRecorder(record) if record is not None else None  # for `thinkahead simulate`
 
     # ------------------------------------------------------------------ LanguageModel
     async def generate(self, request: GenerationRequest) -> Completion:
         ids = self.encode(prompt_text(self, request))
         cancel = threading.Event()
-        future = self.scheduler.submit(lambda: self._completion_rounds(ids, request, stop_if(cancel)))
+        future = self.scheduler.submit(lambda: self._completion_rounds(ids, request, stop_if(cancel)),
+                                       tokens=len(ids) + request.max_new_tokens)
         try:
             return observed(await asyncio.wrap_future(future))
         except asyncio.CancelledError:
@@ -153,7 +160,8 @@ class LocalModel(LanguageModel):
             put(GenerationStopped() if future.cancelled() else future.exception() or future.result())
 
         ids = self.encode(prompt_text(self, request))
-        future = self.scheduler.submit(lambda: self._stream_rounds(ids, request, put, cancel, top_logprobs))
+        future = self.scheduler.submit(lambda: self._stream_rounds(ids, request, put, cancel, top_logprobs),
+                                       tokens=len(ids) + request.max_new_tokens)
         future.add_done_callback(done)
         try:
             while True:
@@ -199,13 +207,15 @@ class LocalModel(LanguageModel):
         """The generation; `on_tokens` sees each round's committed tokens (it may raise to stop). It runs in
         the model's batch with every other live generation."""
         ids = self.encode(prompt_text(self, request))
-        return self.scheduler.run(lambda: self._completion_rounds(ids, request, on_tokens))
+        return self.scheduler.run(lambda: self._completion_rounds(ids, request, on_tokens),
+                                  tokens=len(ids) + request.max_new_tokens)
 
     def stream_sync(self, request: GenerationRequest, put: Callable[[TextDelta], None], cancel: threading.Event,
                     top_logprobs: int | None = None) -> Completion:
         """The generation, each piece of its text handed to `put` as it is decoded (see `stream`)."""
         ids = self.encode(prompt_text(self, request))
-        return self.scheduler.run(lambda: self._stream_rounds(ids, request, put, cancel, top_logprobs))
+        return self.scheduler.run(lambda: self._stream_rounds(ids, request, put, cancel, top_logprobs),
+                                  tokens=len(ids) + request.max_new_tokens)
 
     def _stream_rounds(self, prompt_ids: list[int], request: GenerationRequest, put: Callable[[TextDelta], None],
                        cancel: threading.Event, top_logprobs: int | None) -> Rounds[Completion]:
@@ -279,7 +289,7 @@ class LocalModel(LanguageModel):
         ids = self.encode(prompt)
         if not ids:
             raise ValueError("next_token_logprobs needs a non-empty prompt")
-        _, logits = self.scheduler.run(lambda: self._scored_rows(ids, 0, last_only=True))
+        _, logits = self.scheduler.run(lambda: self._scored_rows(ids, 0, last_only=True), tokens=len(ids))
         logits = logits[-1]
         logprobs = torch.log_softmax(logits.float(), dim=-1)
         values, indices = torch.topk(logprobs, min(top_k, logprobs.shape[-1]))
@@ -352,7 +362,7 @@ class LocalModel(LanguageModel):
         """(log-probabilities of `ids[start:]`, the log-softmax rows predicting them): one forward."""
         import torch
 
-        cached, logits = self.scheduler.run(lambda: self._scored_rows(ids, start))
+        cached, logits = self.scheduler.run(lambda: self._scored_rows(ids, start), tokens=len(ids))
         # row i of `logits` predicts ids[cached + i + 1]
         logprobs = torch.log_softmax(logits[start - 1 - cached : len(ids) - 1 - cached].float(), dim=-1)
         targets = torch.tensor(ids[start:], dtype=torch.long)
