@@ -55,6 +55,9 @@ def test_run_reports_bad_lines_writes_results_resumes_and_traces(tiny_model_dir,
     assert shown.exit_code == 0, shown.output
     first_step = records["a"].steps()[0]["data"]
     assert f"step  0 {first_step['author']:<5} {first_step['verdict']:<10}" in shown.output
+    spec = records["a"].cost["spec"]  # who drafted the run's tokens
+    assert (f"drafts: {spec['spec_num_proposed_drafts']} tokens proposed, {spec['spec_num_correct_drafts']} "
+            f"accepted; model-free") in shown.output
     missing = CliRunner().invoke(main, ["trace", str(out), "--id", "zzz"])
     assert missing.exit_code != 0 and "no run 'zzz'" in missing.output
 

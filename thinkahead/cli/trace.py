@@ -48,6 +48,12 @@ def trace(results_path, run_id, full, as_json) -> None:
     click.echo(f"cost: tokens {cost.get('tokens')}  model calls {cost.get('model_calls')}  "
                f"judge calls {cost.get('judge_calls')}  tok/verify {fmt(cost.get('accept_length'))}  "
                f"{cost.get('wall_s', 0):.2f}s")
+    spec = cost.get("spec") or {}
+    if spec.get("spec_num_proposed_drafts"):
+        proposed, by_model = spec["spec_num_proposed_drafts"], spec.get("model_drafts", 0)
+        click.echo(f"drafts: {proposed} tokens proposed, {spec['spec_num_correct_drafts']} accepted; model-free "
+                   f"{proposed - by_model}, by the small model {by_model} ({spec.get('model_correct_drafts', 0)} "
+                   "accepted)")
     for e in r.trace:
         d = e["data"]
         if e["kind"] == "node_end":
