@@ -40,7 +40,31 @@ def markdown_report(rows: list[tuple[Column, BatchSummary]], settings: dict[str,
         )
     lines += ["", "s/run: mean wall time per task; ms/token: wall time per generated token (all models); small share: kept steps written by the small model; accept rate: "
               "judged small-model drafts kept; tok/verify: tokens per verify step of token-level speculation.", ""]
+    line = tradeoff_line(rows)
+    if line is not None:
+        lines += ["Against the line from `small` to `large` (what mixing their answers at random buys at each speed): "
+                  "accuracy above it, the line's accuracy at the config's s/run subtracted, and whether the config's "
+                  "whole 95% interval clears it.", "", "| config | above the line | beyond its interval |", "|---|---|---|"]
+        for config, s in rows:
+            if config.label in LINE_ENDS or s.accuracy is None or s.mean_wall_s is None:
+                continue
+            at = line(s.mean_wall_s)
+            lines.append(f"| {config.label} | {s.accuracy - at:+.3f} | {'yes' if s.accuracy_ci[0] > at else 'no'} |")
+        lines.append("")
     return "\n".join(lines)
+
+
+LINE_ENDS = ("small", "large")  # the columns whose line a step policy has to beat
+
+
+def tradeoff_line(rows: list[tuple[Column, BatchSummary]]) -> Any:
+    """Accuracy as a function of seconds per task on the straight line through the `small` and `large` columns
+    (None unless both ran at different speeds)."""
+    ends = {c.label: s for c, s in rows if c.label in LINE_ENDS and s.accuracy is not None and s.mean_wall_s}
+    if len(ends) < 2 or ends["small"].mean_wall_s == ends["large"].mean_wall_s:
+        return None
+    (x0, y0), (x1, y1) = ((ends[k].mean_wall_s, ends[k].accuracy) for k in LINE_ENDS)
+    return lambda x: y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
 def plot_pareto(rows: list[tuple[Column, BatchSummary]], path: Path) -> Path | None:
@@ -61,6 +85,11 @@ def plot_pareto(rows: list[tuple[Column, BatchSummary]], path: Path) -> Path | N
         lo, hi = s.accuracy_ci
         ax.errorbar(s.mean_wall_s, s.accuracy, yerr=[[s.accuracy - lo], [hi - s.accuracy]], fmt=markers[i % len(markers)],
                     capsize=3, label=config.label)
+    line = tradeoff_line(rows)
+    if line is not None:
+        xs = [s.mean_wall_s for _, s in rows if s.mean_wall_s is not None]
+        x0, x1 = min(xs), max(xs)
+        ax.plot([x0, x1], [line(x0), line(x1)], linestyle="--", color="grey", linewidth=1, label="small-large line")
     if ax.get_legend_handles_labels()[0]:  # a legend beside the plot: labels of nearby points never overlap
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     return finish_plot(fig, ax, path, xlabel="seconds per task", ylabel="accuracy", title="accuracy vs time")
