@@ -100,8 +100,10 @@ class RemoteScorer:
             self.method = method
             log.info("%s scores tokens by %s", self.model.model, _describe(method))
             return method
+        hint = ("" if self.model.tokenizer is not None else
+                " (without a local tokenizer the ids come from the server's /tokenize: give the model its tokenizer)")
         self.refusal = (f"model {self.model.model!r} at {self.model.client.base_url} cannot score tokens: "
-                        + "; ".join(answers))
+                        + "; ".join(answers) + hint)
         raise ScoresUnavailable(self.refusal)
 
     # -- scoring ---------------------------------------------------------------------------------
