@@ -249,6 +249,12 @@ class MeteredModel(LanguageModel):
     async def continuation_scores(self, prompt: str, continuation: str):
         return await self._call(self.inner.continuation_scores, prompt, continuation, judge=True)
 
+    async def token_logprobs(self, token_ids: list[int], start: int, top_k: int = 0):
+        return await self._call(self.inner.token_logprobs, token_ids, start, top_k, judge=True)
+
+    def encode(self, text: str) -> list[int]:
+        return self.inner.encode(text)
+
     def render(self, messages: list[dict[str, str]], continue_final: bool = False) -> str:
         return self.inner.render(messages, continue_final)
 

@@ -96,6 +96,27 @@ def scoring_needs(options: SpecReasonOptions) -> dict[str, str]:
     return needs
 
 
+async def probe_scores(options: Any, small: Any, large: Any, agreement: bool = True) -> None:
+    """Ask each model whose token scores `options` need, and whose server decides whether it gives them
+    (`probe_scores`: once per model), whether it does: a ValueError naming the setting, the model and what was
+    probed where it does not. `agreement`: False where a verifier of the caller's own replaces the agreement
+    check (it brings its own requirements). A server that cannot be reached raises its own error."""
+    needs = scoring_needs(options)
+    if not agreement:
+        needs.pop("large", None)
+    for tier, why in needs.items():
+        probe = getattr(small if tier == "small" else large, "probe_scores", None)
+        if probe is None:
+            continue
+        try:
+            await probe()
+        except ValueError as exc:  # ScoresUnavailable: the model, its URL and what was probed
+            raise ValueError(f"specreason: {why}, and {exc}") from exc
+        except Exception as exc:  # noqa: BLE001 - a server error goes on as it is (retries), saying what asked
+            exc.add_note(f"asked because specreason's {why}")
+            raise
+
+
 class SpecReason(Policy):
     """Small model drafts, large model judges; rewrite by the large model below `threshold`.
 
@@ -183,17 +204,7 @@ class SpecReasonRun:
         rather than at its first judge call."""
         from thinkahead.verifiers.agreement import AgreementVerifier
 
-        needs = scoring_needs(self.options)
-        if not isinstance(self.verifier, AgreementVerifier):
-            needs.pop("large", None)  # a given verifier brings its own requirements
-        for tier, why in needs.items():
-            probe = getattr(ctx.small if tier == "small" else ctx.large, "probe_scores", None)
-            if probe is None:
-                continue
-            try:
-                await probe()
-            except ValueError as exc:  # ScoresUnavailable: the model, its URL and what was probed
-                raise ValueError(f"specreason: {why}, and {exc}") from exc
+        await probe_scores(self.options, ctx.small, ctx.large, agreement=isinstance(self.verifier, AgreementVerifier))
 
     async def _routed(self, ctx: StepContext) -> StepOutcome | None:
         """The pre-router's choice: the large model writes the step undrafted ("routed"), or None."""

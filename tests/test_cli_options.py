@@ -152,14 +152,18 @@ def test_the_gate_and_routers_reach_the_policy_and_bad_values_are_named(reason_l
     assert result.exit_code == 2 and "gate_logprob" in result.output
 
 
-def test_a_default_the_models_cannot_run_is_refused_naming_the_setting(reason_loop, monkeypatch):
-    # OpenAI servers return no token scores: the default check (agreement) and gate cannot run there
+def test_a_server_that_cannot_be_asked_for_scores_is_refused_before_serving():
+    # an OpenAI-compatible server is asked at start whether it scores tokens (the default check, agreement, and
+    # the gate need them); one that cannot be asked is refused before serving, naming the setting and the server
     result = CliRunner().invoke(main, ["serve", "--small", REMOTE, "--large", REMOTE])
     assert result.exit_code == 2 and "judge 'agreement' needs token scores from the large model" in result.output
-    assert "--judge llm" in result.output
+    assert "--judge llm" in result.output and "http://127.0.0.1:9" in result.output
     result = CliRunner().invoke(main, ["serve", "--small", REMOTE, "--large", REMOTE, "--judge", "llm"])
     assert result.exit_code == 2 and "gate_logprob needs token log-probabilities from the small model" in result.output
     assert "--gate-logprob off" in result.output
+
+
+def test_a_default_the_models_cannot_run_is_refused_naming_the_setting(reason_loop, monkeypatch):
     # model instances without scores (here: scripted models), checked when the loop is built
     reason_loop["scores"] = False
     result = CliRunner().invoke(main, ["reason", "q"])
@@ -180,5 +184,5 @@ def test_a_config_files_remote_large_model_works_with_a_policy_given_on_the_comm
                           "no_token_spec"))
     data = build_settings(config, **none, policy="large")
     assert data["policy"]["name"] == "large" and data["large"]["spec"] == REMOTE
-    with pytest.raises(InputError, match="needs token scores"):
-        build_settings(config, **none)
+    # with specreason too: whether the server scores tokens is asked once the models are loaded
+    assert build_settings(config, **none)["policy"]["name"] == "specreason"

@@ -10,7 +10,7 @@ import pytest
 from tests.tiny_models import VOCAB
 from thinkahead.models import LocalModel, ScriptedModel
 from thinkahead.models.base import Completion
-from thinkahead.orchestrator.budget import Meter, MeteredModel, RetryPolicy
+from thinkahead.orchestrator.budget import Meter, MeteredModel, RetryPolicy, RunBudget
 from thinkahead.step_spec.loop import StepBudget, StepLoop
 from thinkahead.step_spec.policies import make_policy
 from thinkahead.step_spec.segment import SegmentConfig
@@ -127,3 +127,23 @@ def test_accept_length_is_one_number_at_every_layer_when_a_stop_token_cuts_the_l
     assert step.spec.spec_accept_length == accept_length  # step (StepOutcome)
     assert step.to_dict()["spec"]["spec_accept_length"] == accept_length  # the step's trace record
     assert meter.snapshot()["accept_length"] == round(accept_length, 3)  # the run's cost
+
+
+def test_a_metered_model_passes_token_scores_and_ids_through() -> None:
+    """A run's view of a model (`MeteredModel`) scores token ids and encodes as the model does, each scoring
+    call counted as a judge call."""
+    from thinkahead.models.base import TokenLogprob
+
+    class Scoring(ScriptedModel):
+        def encode(self, text: str) -> list[int]:
+            return [ord(c) for c in text]
+
+        async def token_logprobs(self, token_ids, start, top_k=0):
+            return [TokenLogprob(t, chr(t), -0.5) for t in token_ids[start:]]
+
+    meter = Meter(RunBudget())
+    metered = MeteredModel(Scoring(outputs=["x"]), "large", meter, RetryPolicy())
+    assert metered.encode("ab") == [97, 98]
+    scored = asyncio.run(metered.token_logprobs([97, 98, 99], 1))
+    assert [(t.token_id, t.logprob) for t in scored] == [(98, -0.5), (99, -0.5)]
+    assert meter.judge_calls == 1

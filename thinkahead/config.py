@@ -183,8 +183,9 @@ class OrchestratorConfig(BaseModel, extra="forbid"):
 
     @model_validator(mode="after")
     def _policy_fits_the_models(self, info: ValidationInfo) -> OrchestratorConfig:
-        """A policy setting that needs token scores from a backend that returns none (`openai:`) is
-        refused here, before any model loads (model instances are checked by the runtime). Skipped for a
+        """A policy setting that needs token scores from a backend that can never return them
+        (`loader.SCORELESS_PREFIXES`) is refused here, before any model loads; an `openai:` server is asked
+        once the models load (`OpenAIModel.probe_scores`), model instances by the runtime. Skipped for a
         config file read as the base of command-line options (`from_file(partial=True)`): the check runs on
         what they make of it (a file's large model is fine with `--policy large`)."""
         from thinkahead.models.loader import scores_tokens

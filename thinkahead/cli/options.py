@@ -264,7 +264,28 @@ def load_models(orch) -> None:
                        "from the weight cache in seconds", err=True)
         t0 = time.perf_counter()
         orch.runtime  # noqa: B018 - builds the runtime, which loads the models
+    check_scores(c.policy, orch.small, orch.large)
     click.echo(f"models ready in {time.perf_counter() - t0:.0f}s", err=True)
+
+
+def check_scores(policy: Any, small: Any, large: Any) -> None:
+    """Before any run: under specreason, ask each remote model whose token scores the policy needs whether its
+    server gives them (`probe_scores`); a refusal, or a server that cannot be asked, is an `InputError` naming
+    the setting (exit 2), not a failure of every run."""
+    from thinkahead.models.errors import ThinkaheadError
+    from thinkahead.sdk import run_coroutine
+    from thinkahead.step_spec.specreason import probe_scores
+
+    if getattr(policy, "name", None) != "specreason":
+        return
+    try:
+        run_coroutine(probe_scores(policy, small, large))
+    except ValueError as exc:
+        raise InputError(" ".join(str(exc).split())) from None
+    except ThinkaheadError as exc:  # a server that is down or answers with errors
+        why = " ".join(getattr(exc, "__notes__", []))
+        raise InputError(f"the server could not be asked for token scores ({why}): "
+                         f"{' '.join(str(exc).split())}") from None
 
 
 def grader(checker_name: str):

@@ -6,7 +6,9 @@ import time
 
 import click
 
-from thinkahead.cli.options import POLICIES, build_settings, model_file_errors, orchestrator_options, quiet_loading
+from thinkahead.cli.options import (
+    POLICIES, build_settings, check_scores, model_file_errors, orchestrator_options, quiet_loading,
+)
 from thinkahead.config import default
 from thinkahead.serving.limits import ServerSettings
 from thinkahead.step_spec.state import TIERS
@@ -63,6 +65,7 @@ def serve(host, port, policy, concurrency, api_key, allow_origins, allowed_hosts
             app = create_app(settings, settings=server_settings)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from exc
+    check_scores(app.config.policy, app.small, app.large)
     names = ", ".join(app.chat_models())
     click.echo(f"models ready in {time.perf_counter() - t0:.0f}s; serving {names} and thinkahead/<workflow>[:<policy>] "
                f"at http://{host}:{port}/v1{' (API key required)' if server_settings.api_key else ''}", err=True)
