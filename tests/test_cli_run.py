@@ -44,7 +44,7 @@ def test_run_reports_bad_lines_writes_results_resumes_and_traces(tiny_model_dir,
     assert records["a"].meta["reference"] == "3" and records["a"].meta["correct"] is False
     assert "cot/specreason" in result.output and "small share" in result.output  # the summary table
 
-    again = CliRunner().invoke(main, ["run", str(tasks), *base_args(tiny_model_dir, out)])
+    again = CliRunner().invoke(main, ["run", str(tasks), "--policy", "specreason", *base_args(tiny_model_dir, out)])
     assert again.exit_code == 0, again.output
     assert "resuming: 2 of 2 tasks already" in again.output and "nothing to run" in again.output
     assert "loading" not in again.output and "models ready" not in again.output  # no model loads for nothing

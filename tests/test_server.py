@@ -336,8 +336,8 @@ def test_the_serve_command_reports_a_bad_model_spec():
 def test_a_policy_the_models_cannot_run_is_refused_at_start_or_per_request(serve):
     small, large = scripted_pair()  # scripted models score no tokens
     with pytest.raises(ValueError, match="judge 'agreement' needs token scores from the large model"):
-        create_app(small=small, large=large)  # the default policy: the agreement check behind the gate
-    url = serve(create_app({"policy": "large"}, small=small, large=large))
+        create_app({"policy": "specreason"}, small=small, large=large)  # the agreement check behind the gate
+    url = serve(create_app(small=small, large=large))  # the default policy (large) needs no scores
     reply = httpx.post(f"{url}/v1/chat/completions", json={
         "model": "thinkahead/cot:specreason", "messages": [{"role": "user", "content": "What is 17 * 23?"}]})
     assert reply.status_code == 400
