@@ -62,7 +62,8 @@ def test_reason_builds_each_policy_from_the_registry_with_its_own_defaults(reaso
     assert reason_loop["dtypes"] == [default("small.dtype"), default("large.dtype")]
     assert reason_loop["drafter"] == default("large.drafter")
 
-    result = CliRunner().invoke(main, ["reason", "q", "--judge", "agreement", "--repair", "token", "--first-large", "1"])
+    result = CliRunner().invoke(main, ["reason", "q", "--policy", "specreason", "--judge", "agreement", "--repair", "token",
+                                       "--first-large", "1"])
     assert result.exit_code == 0, result.output
     policy = reason_loop["loop"].policy
     assert (policy.name, policy.judge, policy.repair, policy.first_large_steps, policy.threshold) == (
@@ -70,11 +71,11 @@ def test_reason_builds_each_policy_from_the_registry_with_its_own_defaults(reaso
 
 
 def test_reason_refuses_bad_policy_options_before_loading_models(reason_loop):
-    result = CliRunner().invoke(main, ["reason", "q", "--threshold", "12"])
+    result = CliRunner().invoke(main, ["reason", "q", "--policy", "specreason", "--threshold", "12"])
     assert result.exit_code == 2 and "policy 'specreason': threshold" in result.output
     result = CliRunner().invoke(main, ["reason", "q", "--policy", "collect"])
     assert result.exit_code == 2 and "--policy collect needs --pairs FILE.jsonl" in result.output
-    result = CliRunner().invoke(main, ["reason", "q", "--score-mode", "mean"])
+    result = CliRunner().invoke(main, ["reason", "q", "--policy", "specreason", "--score-mode", "mean"])
     assert result.exit_code == 2 and "'greedy', 'expected'" in result.output  # the Literal's values
     assert "dtypes" not in reason_loop
 
@@ -130,18 +131,18 @@ def test_the_shared_options_show_the_config_defaults():
 
 
 def test_the_gate_and_routers_reach_the_policy_and_bad_values_are_named(reason_loop, tmp_path):
-    result = CliRunner().invoke(main, ["reason", "q", "--gate-logprob", "-0.2", "--pre-router", "trained"])
+    result = CliRunner().invoke(main, ["reason", "q", "--policy", "specreason", "--gate-logprob", "-0.2", "--pre-router", "trained"])
     assert result.exit_code == 0, result.output
     policy = reason_loop["loop"].policy
     assert (policy.gate_logprob, policy.pre_router, type(policy.router).__name__) == (-0.2, "trained", "LogisticRouter")
-    result = CliRunner().invoke(main, ["reason", "q", "--gate-logprob", "off"])
+    result = CliRunner().invoke(main, ["reason", "q", "--policy", "specreason", "--gate-logprob", "off"])
     assert result.exit_code == 0 and reason_loop["loop"].policy.gate_logprob is None
-    result = CliRunner().invoke(main, ["reason", "q", "--gate-logprob", "sure"])
+    result = CliRunner().invoke(main, ["reason", "q", "--policy", "specreason", "--gate-logprob", "sure"])
     assert result.exit_code == 2 and "'sure' is neither a log-probability (e.g. -0.1) nor 'off'" in result.output
     result = CliRunner().invoke(main, ["reason", "q", "--policy", "arbitrage"])
     assert result.exit_code == 0, result.output
     assert reason_loop["loop"].policy.router.provenance["rule"] == "agreement"  # the shipped router by default
-    result = CliRunner().invoke(main, ["reason", "q", "--gate-logprob", "0.5"])
+    result = CliRunner().invoke(main, ["reason", "q", "--policy", "specreason", "--gate-logprob", "0.5"])
     assert result.exit_code == 2 and "gate_logprob" in result.output
     result = CliRunner().invoke(main, ["reason", "q", "--policy", "arbitrage", "--router", str(tmp_path / "none.json")])
     assert result.exit_code == 2 and "unknown router" in result.output
@@ -155,10 +156,11 @@ def test_the_gate_and_routers_reach_the_policy_and_bad_values_are_named(reason_l
 def test_a_server_that_cannot_be_asked_for_scores_is_refused_before_serving():
     # an OpenAI-compatible server is asked at start whether it scores tokens (the default check, agreement, and
     # the gate need them); one that cannot be asked is refused before serving, naming the setting and the server
-    result = CliRunner().invoke(main, ["serve", "--small", REMOTE, "--large", REMOTE])
+    specreason = ["serve", "--small", REMOTE, "--large", REMOTE, "--policy", "specreason"]
+    result = CliRunner().invoke(main, specreason)
     assert result.exit_code == 2 and "judge 'agreement' needs token scores from the large model" in result.output
     assert "--judge llm" in result.output and "http://127.0.0.1:9" in result.output
-    result = CliRunner().invoke(main, ["serve", "--small", REMOTE, "--large", REMOTE, "--judge", "llm"])
+    result = CliRunner().invoke(main, [*specreason, "--judge", "llm"])
     assert result.exit_code == 2 and "gate_logprob needs token log-probabilities from the small model" in result.output
     assert "--gate-logprob off" in result.output
 
@@ -166,16 +168,16 @@ def test_a_server_that_cannot_be_asked_for_scores_is_refused_before_serving():
 def test_a_default_the_models_cannot_run_is_refused_naming_the_setting(reason_loop, monkeypatch):
     # model instances without scores (here: scripted models), checked when the loop is built
     reason_loop["scores"] = False
-    result = CliRunner().invoke(main, ["reason", "q"])
+    result = CliRunner().invoke(main, ["reason", "q", "--policy", "specreason"])
     assert result.exit_code == 2 and "judge 'agreement' needs token scores" in result.output
     assert "ScriptedModel" in result.output and "loop" not in reason_loop
-    result = CliRunner().invoke(main, ["reason", "q", *LLM_JUDGE_FLAGS])
+    result = CliRunner().invoke(main, ["reason", "q", "--policy", "specreason", *LLM_JUDGE_FLAGS])
     assert result.exit_code == 0, result.output
 
 
 def test_a_config_files_remote_large_model_works_with_a_policy_given_on_the_command_line(tmp_path) -> None:
-    """The file alone would fail the check across settings (the default specreason needs token scores an
-    `openai:` model has none of); `--policy large` makes the whole valid, and the check runs on the whole."""
+    """A file naming a remote large model with `--policy` from the command line: the check across settings runs
+    on the whole (an `openai:` server is asked whether it scores tokens once the models load)."""
     from thinkahead.cli.options import InputError, build_settings
 
     config = tmp_path / "remote.yaml"
@@ -185,4 +187,4 @@ def test_a_config_files_remote_large_model_works_with_a_policy_given_on_the_comm
     data = build_settings(config, **none, policy="large")
     assert data["policy"]["name"] == "large" and data["large"]["spec"] == REMOTE
     # with specreason too: whether the server scores tokens is asked once the models are loaded
-    assert build_settings(config, **none)["policy"]["name"] == "specreason"
+    assert build_settings(config, **none, policy="specreason")["policy"]["name"] == "specreason"
