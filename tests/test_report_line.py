@@ -23,6 +23,7 @@ def test_the_line_from_small_to_large_and_who_clears_it(tmp_path) -> None:
             (Col("good"), summary(95, 100, 6.0)), (Col("meh"), summary(42, 100, 6.0))]
     line = tradeoff_line(rows)
     assert abs(line(4.0) - 0.30) < 1e-9 and abs(line(10.0) - 0.60) < 1e-9 and abs(line(6.0) - 0.40) < 1e-9
+    assert abs(line(30.0) - 0.60) < 1e-9 and abs(line(1.0) - 0.30) < 1e-9  # flat beyond its ends
     report = markdown_report(rows, None, 100)
     assert "| good | +0.550 | yes |" in report  # 0.95 at 6 s against the line's 0.40; its interval clears it
     assert "| meh | +0.020 | no |" in report  # above the line, but its interval reaches below

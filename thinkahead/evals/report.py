@@ -58,13 +58,14 @@ LINE_ENDS = ("small", "large")  # the columns whose line a step policy has to be
 
 
 def tradeoff_line(rows: list[tuple[Column, BatchSummary]]) -> Any:
-    """Accuracy as a function of seconds per task on the straight line through the `small` and `large` columns
-    (None unless both ran at different speeds)."""
+    """Accuracy as a function of seconds per task on the line from the `small` column to the `large` one, flat
+    beyond them (slower than the slower one, run that one; faster than the faster one, nothing mixes to it);
+    None unless both ran at different speeds."""
     ends = {c.label: s for c, s in rows if c.label in LINE_ENDS and s.accuracy is not None and s.mean_wall_s}
     if len(ends) < 2 or ends["small"].mean_wall_s == ends["large"].mean_wall_s:
         return None
-    (x0, y0), (x1, y1) = ((ends[k].mean_wall_s, ends[k].accuracy) for k in LINE_ENDS)
-    return lambda x: y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    (x0, y0), (x1, y1) = sorted((ends[k].mean_wall_s, ends[k].accuracy) for k in LINE_ENDS)
+    return lambda x: y0 + (y1 - y0) * (min(max(x, x0), x1) - x0) / (x1 - x0)
 
 
 def plot_pareto(rows: list[tuple[Column, BatchSummary]], path: Path) -> Path | None:
@@ -88,8 +89,9 @@ def plot_pareto(rows: list[tuple[Column, BatchSummary]], path: Path) -> Path | N
     line = tradeoff_line(rows)
     if line is not None:
         xs = [s.mean_wall_s for _, s in rows if s.mean_wall_s is not None]
-        x0, x1 = min(xs), max(xs)
-        ax.plot([x0, x1], [line(x0), line(x1)], linestyle="--", color="grey", linewidth=1, label="small-large line")
+        ends = [s.mean_wall_s for c, s in rows if c.label in LINE_ENDS]
+        at = sorted({min(xs), max(xs), *ends})
+        ax.plot(at, [line(x) for x in at], linestyle="--", color="grey", linewidth=1, label="small-large line")
     if ax.get_legend_handles_labels()[0]:  # a legend beside the plot: labels of nearby points never overlap
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     return finish_plot(fig, ax, path, xlabel="seconds per task", ylabel="accuracy", title="accuracy vs time")
