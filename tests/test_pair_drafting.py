@@ -43,7 +43,7 @@ def build(path, name, **options) -> LocalModel:
 def pair(paths):
     """A draft model with the target's weights (a copy): its drafts hit, so every kind of round happens."""
     small = build(paths[0], "small")
-    return small, build(paths[0], "large", draft=small)
+    return small, build(paths[0], "large", draft=small, drafter="hybrid")
 
 
 QUESTIONS = [f"Q{i}: name {i} things you find in a {['kitchen', 'garden', 'shed', 'car'][i % 4]}." for i in range(6)]
@@ -53,9 +53,11 @@ def request(text: str, speculative: bool = True, n: int = 24) -> GenerationReque
     return GenerationRequest(prompt=text, max_new_tokens=n, temperature=0, stop=[], speculative=speculative)
 
 
-def test_auto_is_hybrid_with_a_draft_model_and_combined_without(pair, paths) -> None:
+def test_auto_is_combined_and_hybrid_shares_the_small_models_thread_and_weights(pair, paths) -> None:
     small, large = pair
-    assert (small.drafter, small.draft) == ("combined", None)  # a model alone: the best model-free drafter
+    assert (small.drafter, small.draft) == ("combined", None)  # auto: the best model-free drafter
+    alone = build(paths[0], "large-auto", draft=small)  # auto with a draft model beside it: still combined
+    assert (alone.drafter, alone.draft) == ("combined", None) and alone.scheduler is not small.scheduler
     assert large.drafter == "hybrid" and large.draft is small
     assert large.scheduler.scheduler is small.scheduler  # one thread owns both engines
     assert large._speculative.drafter.model.engine is small.engine  # the small model's weights, not a copy
@@ -121,7 +123,7 @@ def test_a_draft_model_with_another_tokenizer(paths) -> None:
     other.add_tokens(["<extra>"])
     large = LocalModel(model=gguf_native.build_model(paths[0], tiny_config()), tokenizer=other, name="large",
                        draft=small)
-    assert (large.drafter, large.draft) == ("combined", None)  # auto: drafts alone
+    assert (large.drafter, large.draft) == ("combined", None)  # auto drafts model-free: no tokenizer needed
     assert large.scheduler is not small.scheduler
     with pytest.raises(ValueError, match="does not share large's tokenizer"):
         LocalModel(model=gguf_native.build_model(paths[0], tiny_config()), tokenizer=other, name="large",

@@ -55,8 +55,8 @@ class ModelConfig(BaseModel, extra="forbid"):
 
     spec: str
     dtype: str = DEFAULT_DTYPE  # gguf for GGUF files the native kernel runs, else int8 (models/dtypes.py)
-    drafter: str = Field(default=AUTO_DRAFTER, description="token drafter of a local model: auto (the large model: "
-                         "hybrid with a small local model that shares its tokenizer; else combined) or a named one")
+    drafter: str = Field(default=AUTO_DRAFTER, description="token drafter of a local model: auto (combined) or a "
+                         "named one; hybrid/draft-model (large model only) draft with the small local model")
     max_draft: int = Field(default=MAX_DRAFT, gt=0)
     tokenizer: str | None = Field(default=None, description="remote models: a model spec whose chat template to use")
     record: str | None = Field(default=None, description="local models: append every generation's token ids here")

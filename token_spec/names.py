@@ -27,20 +27,23 @@ DRAFTER_KINDS = (*MODEL_FREE_KINDS, *MODEL_DRAFT_KINDS, "none")
 SINGLE_MODEL_KINDS = (*MODEL_FREE_KINDS, "none")  # what a `LocalModel` (one model, no draft engine) can use
 
 
-AUTO_DRAFTER = "auto"  # the default: PAIR_DRAFTER for a model with a small model that shares its tokenizer, else SOLO
+AUTO_DRAFTER = "auto"  # the default: SOLO_DRAFTER, the best measured where runs are in flight (below)
 # A model alone: the combined model-free drafter, the best model-free one measured (`bench/token_spec.py --dtype gguf`,
 # 1.5B, refine/cot/code/pipeline: 1.16-2.39x llama.cpp's plain decode; hybrid, the pair's, 1.16-2.35x).
 SOLO_DRAFTER = "combined"
-PAIR_DRAFTER = "hybrid"  # a large model next to a small one with its tokenizer: the small model drafts too
+# `hybrid` (the small model drafts too) is not the default: one run at a time it beat `combined` (README job, 1.5B:
+# 4.8 against 5.1 s/run, plain 6.3), but with 8 runs in flight, the default, it took 47.6 s/run against 30.0 on 125
+# GSM8K problems (docs/results/step_frontier.md): a generation alone for a moment drafts with the small model,
+# which first reads its whole prompt while every other sequence waits.
 DRAFTER_CHOICES = (AUTO_DRAFTER, *DRAFTER_KINDS)  # what a config or `--drafter` may name
 
 
 def resolve_drafter(kind: str, has_draft_model: bool) -> str:
-    """The drafter `kind` names for a model with (or without) a draft model beside it: `auto` is the pair's
-    drafter or the solo one; a kind that needs a draft model and has none is a ValueError."""
+    """The drafter `kind` names for a model with (or without) a draft model beside it: `auto` is `SOLO_DRAFTER`;
+    a kind that needs a draft model and has none is a ValueError."""
     check_drafter(kind, DRAFTER_CHOICES)
     if kind == AUTO_DRAFTER:
-        return PAIR_DRAFTER if has_draft_model else SOLO_DRAFTER
+        return SOLO_DRAFTER
     if kind in MODEL_DRAFT_KINDS and not has_draft_model:
         raise ValueError(f"drafter {kind!r} needs a draft model: a small local model with the same tokenizer")
     return kind

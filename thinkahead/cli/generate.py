@@ -22,7 +22,7 @@ from thinkahead.cli.options import InputError, model_file_errors, output_errors,
 from thinkahead.config import default
 from thinkahead.models.weights import DTYPES
 from thinkahead.token_spec.names import (
-    AUTO_DRAFTER, DRAFTER_CHOICES, MODEL_DRAFT_KINDS, PAIR_DRAFTER, SOLO_DRAFTER, resolve_drafter,
+    DRAFTER_CHOICES, MODEL_DRAFT_KINDS, SOLO_DRAFTER, resolve_drafter,
 )
 
 
@@ -132,8 +132,8 @@ def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
 @click.option("-m", "--model", default=default("small.spec"), show_default=True,
               help="Target model: a packaged name (thinkahead models list), gguf:PATH, hf:ID or a directory.")
 @click.option("--drafter", type=click.Choice(DRAFTER_CHOICES), default=default("small.drafter"), show_default=True,
-              help=f"Token drafter; auto: {PAIR_DRAFTER} with --draft-model, else {SOLO_DRAFTER}.")
-@click.option("--draft-model", default=None, help="Small model with the target's tokenizer: drafts for auto, "
+              help=f"Token drafter; auto: {SOLO_DRAFTER}; draft-model and hybrid need --draft-model.")
+@click.option("--draft-model", default=None, help="Small model with the target's tokenizer, for --drafter "
               "hybrid and draft-model.")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=256, show_default=True)
 @click.option("--max-draft", type=click.IntRange(min=0), default=default("small.max_draft"), show_default=True,
@@ -156,8 +156,8 @@ def generate(prompts, input_path, output, model, drafter, draft_model, max_new_t
         items += list(read_prompts(input_path))
     if not items:
         raise click.UsageError("give prompts as arguments or with --input FILE.jsonl")
-    if draft_model and drafter not in (AUTO_DRAFTER, *MODEL_DRAFT_KINDS):
-        raise click.UsageError(f"--draft-model drafts for --drafter auto, hybrid or draft-model, not {drafter}")
+    if draft_model and drafter not in MODEL_DRAFT_KINDS:
+        raise click.UsageError(f"--draft-model drafts for --drafter hybrid or draft-model, not {drafter}")
     try:
         drafter = resolve_drafter(drafter, draft_model is not None)
     except ValueError:

@@ -14,12 +14,12 @@ import click
 from thinkahead.config import default
 from thinkahead.models.weights import DTYPES
 from thinkahead.step_spec.policies import JUDGES, POLICY_NAMES, REPAIRS
-from thinkahead.token_spec.names import DRAFTER_CHOICES, PAIR_DRAFTER, SOLO_DRAFTER
+from thinkahead.token_spec.names import DRAFTER_CHOICES, SOLO_DRAFTER
 
 POLICIES = POLICY_NAMES  # the registry's policies for batch runs (run, bench, serve)
-DRAFTER_HELP = (f"The large model's token drafter: auto drafts with the small model and the combined model-free "
-                f"drafter ({PAIR_DRAFTER}) where the small model is local and shares its tokenizer, else "
-                f"{SOLO_DRAFTER} alone [{default('large.drafter')}].")
+DRAFTER_HELP = (f"The large model's token drafter: auto is {SOLO_DRAFTER} (model-free, the fastest measured with runs "
+                f"in flight); hybrid also drafts with the small model (faster one run at a time; the small model must "
+                f"be local and share the tokenizer) [{default('large.drafter')}].")
 
 EXIT_OK, EXIT_RUNS_FAILED, EXIT_INPUT = 0, 1, 2  # docs/cli.md "Exit codes"
 

@@ -86,8 +86,8 @@ def scores_tokens(spec: str) -> bool:
 def load_pair(small: str | LanguageModel, large: str | LanguageModel, small_options: dict[str, Any] | None = None,
               large_options: dict[str, Any] | None = None) -> tuple[LanguageModel, LanguageModel]:
     """The small and the large model of an orchestrator. One spec with the same options for both loads once; a
-    large local model drafts with the small one (its `drafter`: "auto" or a draft model's kind) where the small
-    one is local too, sharing its weights and scheduler thread (`LocalModel(draft=)`)."""
+    large local model whose `drafter` is a draft model's kind (`hybrid`, `draft-model`) drafts with the small one
+    where that is local too, sharing its weights and scheduler thread (`LocalModel(draft=)`)."""
     from thinkahead.models.local import LocalModel
     from thinkahead.token_spec.names import AUTO_DRAFTER, MODEL_DRAFT_KINDS
 
@@ -98,7 +98,7 @@ def load_pair(small: str | LanguageModel, large: str | LanguageModel, small_opti
     if large == small and large_options == small_options:
         return small_model, small_model
     drafter = large_options.get("drafter", AUTO_DRAFTER)
-    if not large.strip().startswith(REMOTE_PREFIXES) and (drafter == AUTO_DRAFTER or drafter in MODEL_DRAFT_KINDS):
+    if not large.strip().startswith(REMOTE_PREFIXES) and drafter in MODEL_DRAFT_KINDS:
         if isinstance(small_model, LocalModel) and small_model.draft is None:
             large_options["draft"] = small_model
     return small_model, load_model(large, **large_options)

@@ -11,7 +11,6 @@ one forward per step; callers from any thread or event loop only wait for their 
 from __future__ import annotations
 
 import asyncio
-import logging
 import math
 import os
 import threading
@@ -33,8 +32,6 @@ from thinkahead.token_spec.names import (
 )
 from thinkahead.token_spec.recording import TokenRecorder
 
-logger = logging.getLogger(__name__)
-
 KV_SESSIONS = 16  # finished generations whose KV is kept for prefix reuse (a batch of 8 runs, small and large steps)
 KV_MEMORY_SHARE = 0.25  # of the memory free at load, what the kept KV may hold by default
 KV_LIVE_SHARE = 0.5  # of the memory free at load, what live generations may reserve by default
@@ -53,8 +50,7 @@ class LocalModel(LanguageModel):
             weights) or "gguf" (the GGUF file's own blocks, fastest on CPUs; GGUF models only);
             see thinkahead/models/dtypes.py.
         drafter: token-level drafter for speculative requests (`thinkahead.token_spec.names.DRAFTER_CHOICES`):
-            "auto" (the default) is "hybrid" with a `draft` model, else "combined"; "hybrid" and "draft-model"
-            need `draft`.
+            "auto" (the default) is "combined"; "hybrid" and "draft-model" need `draft`.
         draft: a smaller `LocalModel` with the same tokenizer that drafts tokens for this one (`hybrid`,
             `draft-model`). The two share one scheduler thread (and the small model's weights: nothing is
             loaded twice); the small model's own requests run as before.
@@ -103,13 +99,10 @@ class LocalModel(LanguageModel):
 
             model, tokenizer = load_causal_lm(spec, dtype)
         self.name = name or spec or getattr(model.config, "name_or_path", "") or "local"
-        if draft is not None and not same_tokenizer(tokenizer, draft.tokenizer):
-            if drafter != AUTO_DRAFTER:
-                raise ValueError(f"draft model {draft.name} does not share {self.name}'s tokenizer: it cannot draft "
-                                 f"its tokens; use a model-free drafter ({SOLO_DRAFTER})")
-            logger.info("%s drafts alone (%s): %s has another tokenizer", self.name, SOLO_DRAFTER, draft.name)
-            draft = None
         self.drafter = drafter = resolve_drafter(drafter, draft is not None)  # what "auto" became
+        if drafter in MODEL_DRAFT_KINDS and not same_tokenizer(tokenizer, draft.tokenizer):
+            raise ValueError(f"draft model {draft.name} does not share {self.name}'s tokenizer: it cannot draft "
+                             f"its tokens; use a model-free drafter ({SOLO_DRAFTER})")
         self.draft = draft if drafter in MODEL_DRAFT_KINDS else None
         self.tokenizer = repair_chat_template(tokenizer)
         self.engine = HFEngine(model)
