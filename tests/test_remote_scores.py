@@ -25,7 +25,7 @@ from thinkahead.models.remote_scores import FORCE_BIAS, PROBE_TEXT, ScoresUnavai
 
 from tests.fake_http import FakeHttpServer, Reply, Request, json_reply
 from tests.server_fixtures import serve, tiny, tiny_url  # noqa: F401 - fixtures
-from tests.test_openai_model import FakeOpenAIServer
+from tests.test_openai_model import FakeOpenAIServer, run_model
 from tests.tiny_models import VOCAB
 
 WORDS = ["<pad>", "<s>", "</s>"] + [f"w{i}" for i in range(VOCAB - 3)]  # the tiny word-level tokenizer's
@@ -165,16 +165,6 @@ def started(server: FakeHttpServer):
     return server
 
 
-def run(model: OpenAIModel, fn) -> Any:
-    async def main() -> Any:
-        try:
-            return await fn(model)
-        finally:
-            await model.aclose()
-
-    return asyncio.run(main())
-
-
 def check_scores(scores, ids: list[int], start: int) -> None:
     want = expected(ids, start)
     assert [(s.text, s.logprob, s.top_logprob) for s in scores] == [(w[0], w[1], max(w[1], w[2])) for w in want]
@@ -187,13 +177,13 @@ def test_vllm_scores_a_continuation_in_one_echo_request_of_our_token_ids(word_to
     server = started(FakeVLLM(prompt_logprobs))
     try:
         model = OpenAIModel("m", base_url=f"{server.url}/v1", api_key="", tokenizer=word_tokenizer)
-        scores = run(model, lambda m: m.continuation_scores(PROMPT, CONTINUATION))
+        scores = run_model(model, lambda m: m.continuation_scores(PROMPT, CONTINUATION))
         ids = ids_of(PROMPT + CONTINUATION)
         check_scores(scores, ids, len(ids_of(PROMPT)))
         (_, probe), (_, scored) = server.requests  # one probe, then one request for the whole continuation
         assert scored == {"model": "m", "prompt": ids, "echo": True, "logprobs": 1, "max_tokens": 0, "temperature": 0}
         assert model.scorer.method == "echo" and model.scores_tokens
-        top = run(model, lambda m: m.token_logprobs(ids, 2, top_k=3))
+        top = run_model(model, lambda m: m.token_logprobs(ids, 2, top_k=3))
         row = toy_logprobs(ids[:2])
         assert [(a, t, lp) for a, t, lp in top[0].top] == [(int(t), WORDS[t], float(row[t])) for t in np.argsort(-row)[:3]]
         assert (top[0].token_id, top[0].logprob) == (ids[2], float(row[ids[2]])) and len(top) == len(ids) - 2
@@ -205,7 +195,7 @@ def test_without_a_local_tokenizer_the_servers_tokenize_gives_the_ids() -> None:
     for server in (started(FakeVLLM()), started(FakeLlamaServer())):
         try:
             model = OpenAIModel("m", base_url=f"{server.url}/v1", api_key="")
-            scores = run(model, lambda m: m.continuation_scores(PROMPT, CONTINUATION))
+            scores = run_model(model, lambda m: m.continuation_scores(PROMPT, CONTINUATION))
             ids = ids_of(PROMPT + CONTINUATION)
             check_scores(scores, ids, len(ids_of(PROMPT)))
             asked = [b for p, b in server.requests if p == "/tokenize"]
@@ -223,7 +213,7 @@ def test_llama_server_scores_each_token_by_forcing_it_on_the_native_endpoint(wor
     server = started(FakeLlamaServer())
     try:
         model = OpenAIModel("m", base_url=f"{server.url}/v1", api_key="", tokenizer=word_tokenizer)
-        scores = run(model, lambda m: m.continuation_scores(PROMPT, CONTINUATION))
+        scores = run_model(model, lambda m: m.continuation_scores(PROMPT, CONTINUATION))
         ids, start = ids_of(PROMPT + CONTINUATION), len(ids_of(PROMPT))
         check_scores(scores, ids, start)
         paths = [p for p, _ in server.requests]
@@ -238,7 +228,7 @@ def test_llama_server_scores_each_token_by_forcing_it_on_the_native_endpoint(wor
         # a token outside the top k still gets its exact log-probability (it was the one sampled)
         worst = min(scores, key=lambda s: s.logprob)
         assert worst.gap > 3 and worst.logprob == min(w[1] for w in expected(ids, start))
-        judge = run(model, lambda m: m.next_token_logprobs(PROMPT, top_k=2))  # /v1/completions' chat-shaped logprobs
+        judge = run_model(model, lambda m: m.next_token_logprobs(PROMPT, top_k=2))  # /v1/completions' chat-shaped logprobs
         row = toy_logprobs(ids_of(PROMPT))
         assert judge == {WORDS[t]: float(row[t]) for t in np.argsort(-row)[:2]}
     finally:
@@ -255,14 +245,14 @@ def test_a_server_that_scores_nothing_is_refused_by_name_after_one_probe_each() 
         spec = f"openai:plain-model@{server.base_url}"
         assert scores_tokens(spec) and load_model(spec).scores_tokens  # nothing refused before the probe
         with pytest.raises(ScoresUnavailable) as info:
-            run(model, lambda m: m.continuation_scores("w1 w2", " w3"))
+            run_model(model, lambda m: m.continuation_scores("w1 w2", " w3"))
         message = str(info.value)
         assert "'plain-model'" in message and server.base_url in message and "cannot score tokens" in message
         assert "echo + logprobs" in message and "/completion with n_probs" in message and "404" in message
         assert not model.scores_tokens
         asked = len(server.requests)
         with pytest.raises(ScoresUnavailable):
-            run(model, lambda m: m.probe_scores())
+            run_model(model, lambda m: m.probe_scores())
         assert len(server.requests) == asked  # probed once
     finally:
         server.stop()
@@ -274,7 +264,7 @@ def test_a_server_that_is_down_during_the_probe_is_not_taken_for_a_scoreless_one
         port = sock.getsockname()[1]
     model = OpenAIModel("m", base_url=f"http://127.0.0.1:{port}/v1", api_key="", max_retries=0)
     with pytest.raises(ModelServerError) as info:
-        run(model, lambda m: m.probe_scores())
+        run_model(model, lambda m: m.probe_scores())
     assert not isinstance(info.value, ScoresUnavailable) and model.scores_tokens and model.scorer.method is None
 
 
@@ -310,7 +300,7 @@ def test_our_serve_scores_exactly_as_the_local_model(tiny, tiny_url) -> None:
         return (await m.continuation_scores(prompt, continuation), await m.token_logprobs(ids, 2, top_k=3),
                 await tiny.continuation_scores(prompt, continuation), await tiny.token_logprobs(ids, 2, top_k=3))
 
-    remote, remote_ids, local, local_ids = run(model, both)
+    remote, remote_ids, local, local_ids = run_model(model, both)
     assert model.scorer.method == "echo"
     assert [(s.text, s.top_text) for s in remote] == [(s.text, s.top_text) for s in local]
     for a, b in zip(remote, local):

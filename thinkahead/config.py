@@ -29,6 +29,7 @@ from thinkahead.step_spec.loop import StepBudget
 from thinkahead.step_spec.policies import PolicySettings
 from thinkahead.step_spec.segment import SegmentConfig
 from thinkahead.models.dtypes import DEFAULT_DTYPE
+from thinkahead.models.loader import REMOTE_PREFIXES
 from thinkahead.token_spec.names import AUTO_DRAFTER, DRAFTER_CHOICES, MAX_DRAFT, MODEL_DRAFT_KINDS, check_drafter
 
 # A run's wall-clock deadline unless `budget.max_wall_s` says otherwise (`null`: none). Runs of the
@@ -90,11 +91,11 @@ class ModelConfig(BaseModel, extra="forbid"):
 
     @model_validator(mode="after")
     def _tokenizer_only_for_remote(self) -> ModelConfig:
-        if self.tokenizer is not None and not self.spec.startswith(("openai:", "sglang:")):
+        if self.tokenizer is not None and not self.spec.startswith(REMOTE_PREFIXES):
             raise ValueError(f"model {self.spec!r}: tokenizer is only for remote (openai:/sglang:) models")
-        if self.record is not None and self.spec.startswith(("openai:", "sglang:")):
+        if self.record is not None and self.spec.startswith(REMOTE_PREFIXES):
             raise ValueError(f"model {self.spec!r}: record is only for local models (remote servers keep their own ids)")
-        if self.drafter != AUTO_DRAFTER and self.spec.startswith(("openai:", "sglang:")):
+        if self.drafter != AUTO_DRAFTER and self.spec.startswith(REMOTE_PREFIXES):
             raise ValueError(f"model {self.spec!r}: drafter is only for local models (a server drafts as it was "
                              f"started to)")
         return self
@@ -176,7 +177,7 @@ class OrchestratorConfig(BaseModel, extra="forbid"):
         if self.small.drafter in MODEL_DRAFT_KINDS:
             raise ValueError(f"small.drafter {self.small.drafter!r} needs a draft model, and the small model has none "
                              f"(the large model drafts with the small one); choose a model-free drafter")
-        if self.large.drafter in MODEL_DRAFT_KINDS and self.small.spec.startswith(("openai:", "sglang:")):
+        if self.large.drafter in MODEL_DRAFT_KINDS and self.small.spec.startswith(REMOTE_PREFIXES):
             raise ValueError(f"large.drafter {self.large.drafter!r} drafts with the small model, which must be local "
                              f"(got {self.small.spec})")
         return self

@@ -93,7 +93,7 @@ class _Share:
     @property
     def alone(self) -> bool:
         item = self._item
-        return item.batch <= 1 and sum(i.lane is item.lane for i in self._scheduler._live) <= 1
+        return item.batch <= 1 and self._scheduler._on_lane(item.lane) <= 1
 
 
 @dataclass(slots=True, eq=False)
@@ -235,9 +235,13 @@ class BatchScheduler:
         """The most draft tokens `item` may verify next: its decoder decides alone; in a batch, the goodput plan
         made from every sequence's acceptance rate after the last forward."""
         item.accept = accept_rate
-        if not self.goodput or sum(i.lane is item.lane for i in self._live) <= 1:
+        if not self.goodput or self._on_lane(item.lane) <= 1:
             return MAX_DRAFT
         return self._plan.get(id(item), 0)
+
+    def _on_lane(self, lane: _Engine) -> int:
+        """Live sequences of `lane`'s engine (their own generations, wherever their next call runs)."""
+        return sum(i.lane is lane for i in self._live)
 
     @property
     def live(self) -> int:

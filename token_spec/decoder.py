@@ -263,11 +263,10 @@ class SpeculativeDecoder:
             if gen.constraint is not None:
                 return self._grammar_draft(gen, room, budget)
             if budget > 0:
-                rounds = getattr(drafter, "propose_rounds", None)
                 if gen.share is not None and not gen.share.alone and hasattr(drafter, "propose_free"):
                     draft = drafter.propose_free(gen.rid, gen.context, budget)  # a batch: no draft model
-                elif rounds is not None:
-                    draft = yield from rounds(gen.rid, gen.context, budget)
+                elif hasattr(drafter, "propose_rounds"):  # a draft model: its forwards go to the scheduler
+                    draft = yield from drafter.propose_rounds(gen.rid, gen.context, budget)
                 else:
                     draft = drafter.propose(gen.rid, gen.context, budget)
                 return self.controller.trim(draft).truncated(room), None, 0

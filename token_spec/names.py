@@ -24,7 +24,6 @@ MODEL_FREE_KINDS = ("suffix", "suffix-tree", "prompt-lookup", "prompt-lookup-rec
 MODEL_DRAFT_KINDS = ("draft-model", "hybrid")  # these need a second (draft) model
 MODEL_DRAFT_SOURCE = "draft-model"  # the `source` of a draft the small model wrote (token stats count them apart)
 DRAFTER_KINDS = (*MODEL_FREE_KINDS, *MODEL_DRAFT_KINDS, "none")
-SINGLE_MODEL_KINDS = (*MODEL_FREE_KINDS, "none")  # what a `LocalModel` (one model, no draft engine) can use
 
 
 AUTO_DRAFTER = "auto"  # the default: SOLO_DRAFTER, the best measured where runs are in flight (below)

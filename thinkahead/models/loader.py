@@ -98,9 +98,9 @@ def load_pair(small: str | LanguageModel, large: str | LanguageModel, small_opti
     if large == small and large_options == small_options:
         return small_model, small_model
     drafter = large_options.get("drafter", AUTO_DRAFTER)
-    if not large.strip().startswith(REMOTE_PREFIXES) and drafter in MODEL_DRAFT_KINDS:
-        if isinstance(small_model, LocalModel) and small_model.draft is None:
-            large_options["draft"] = small_model
+    local_pair = isinstance(small_model, LocalModel) and not large.strip().startswith(REMOTE_PREFIXES)
+    if drafter in MODEL_DRAFT_KINDS and local_pair:
+        large_options["draft"] = small_model  # LocalModel checks it (its tokenizer, that it drafts alone)
     return small_model, load_model(large, **large_options)
 
 

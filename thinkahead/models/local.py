@@ -89,7 +89,7 @@ class LocalModel(LanguageModel):
             raise ValueError(f"draft must be a LocalModel, got {type(draft).__name__}")
         if draft is not None and draft.draft is not None:
             raise ValueError(f"draft model {draft.name} drafts with a model itself; give a model that drafts alone")
-        resolve_drafter(drafter, draft is not None)  # an unknown name, or a draft model's kind without one: before loading
+        drafter = resolve_drafter(drafter, draft is not None)  # an unknown name, or a model's kind without one: now
         if (spec is None) == (model is None):
             raise ValueError("LocalModel needs either a model spec or model= (with tokenizer=)")
         if model is not None and tokenizer is None:
@@ -99,7 +99,7 @@ class LocalModel(LanguageModel):
 
             model, tokenizer = load_causal_lm(spec, dtype)
         self.name = name or spec or getattr(model.config, "name_or_path", "") or "local"
-        self.drafter = drafter = resolve_drafter(drafter, draft is not None)  # what "auto" became
+        self.drafter = drafter  # what "auto" became
         if drafter in MODEL_DRAFT_KINDS and not same_tokenizer(tokenizer, draft.tokenizer):
             raise ValueError(f"draft model {draft.name} does not share {self.name}'s tokenizer: it cannot draft "
                              f"its tokens; use a model-free drafter ({SOLO_DRAFTER})")
