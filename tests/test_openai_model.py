@@ -385,6 +385,27 @@ def test_messages_rendering_continue_final(server: FakeOpenAIServer) -> None:
         model.render([{"role": "user", "content": "hi"}], continue_final=True)
 
 
+def test_a_remote_model_named_like_a_packaged_model_renders_with_its_chat_template(server: FakeOpenAIServer) -> None:
+    # the README's remote job: without the packaged model's template, llama-server serving that GGUF got
+    # "user: ...\n\nassistant: " and wrote other chains (1-2 steps where the local model wrote 5)
+    from thinkahead.models.base import render_chat
+    from thinkahead.models.loader import load_model
+    from thinkahead.models.weights import load_tokenizer
+
+    messages = [{"role": "user", "content": "Solve 2+2."}]
+    packaged = load_model(f"openai:qwen2.5-coder-0.5b@{server.base_url}")
+    run_model(packaged, lambda m: m.generate(GenerationRequest(messages=messages)))
+    want = render_chat(load_tokenizer("qwen2.5-coder-0.5b"), messages)
+    assert server.requests[-1]["prompt"] == want and want.startswith("<|im_start|>system")
+    assert packaged.count_tokens("Solve 2+2.") == len(packaged.tokenizer.encode("Solve 2+2.", add_special_tokens=False))
+
+    other = load_model(f"openai:plain-model@{server.base_url}")
+    run_model(other, lambda m: m.generate(GenerationRequest(messages=messages)))
+    assert other.tokenizer is None and server.requests[-1]["prompt"] == render_plain(messages)
+    given = _FakeTokenizer()
+    assert load_model(f"openai:qwen2.5-coder-0.5b@{server.base_url}", tokenizer=given).tokenizer is given
+
+
 # -- HttpClient directly -------------------------------------------------------------------------
 
 

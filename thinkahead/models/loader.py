@@ -114,12 +114,23 @@ def load_model(spec: str | LanguageModel, **options: Any) -> LanguageModel:
         from thinkahead.models.openai import OpenAIModel
 
         model, url = _openai_parts(spec)
-        return OpenAIModel(model, base_url=url, **remote_options)
+        return OpenAIModel(model, base_url=url, **_packaged_tokenizer(model, remote_options))
     if spec.startswith("sglang:"):
         from thinkahead.models.sglang import SGLangModel
 
         name, url = _sglang_parts(spec)
-        return SGLangModel(url, name, **remote_options)
+        return SGLangModel(url, name, **_packaged_tokenizer(name, remote_options))
     from thinkahead.models.local import LocalModel
 
     return LocalModel(spec, **options)
+
+
+def _packaged_tokenizer(name: str | None, options: dict[str, Any]) -> dict[str, Any]:
+    """`options`, with `tokenizer=name` when a remote model is named like a packaged model and no tokenizer is
+    given: the server is taken to serve that model, so prompts are rendered with its chat template and counted
+    with its tokenizer, as the local model's are (without one, a remote model gets the plain template)."""
+    from thinkahead.models.registry import REGISTRY
+
+    if name in REGISTRY and options.get("tokenizer") is None:
+        return {**options, "tokenizer": name}
+    return options
