@@ -14,6 +14,7 @@ from click.testing import CliRunner
 from thinkahead.cli import main
 from thinkahead.config import CONCURRENCY, default
 from thinkahead.models import ScriptedModel
+from thinkahead.step_spec.policies import POLICY_NAMES
 
 from tests.llm_judge import LLM_JUDGE_FLAGS
 from tests.test_step_policies import AgreeingModel
@@ -188,3 +189,31 @@ def test_a_config_files_remote_large_model_works_with_a_policy_given_on_the_comm
     assert data["policy"]["name"] == "large" and data["large"]["spec"] == REMOTE
     # with specreason too: whether the server scores tokens is asked once the models are loaded
     assert build_settings(config, **none, policy="specreason")["policy"]["name"] == "specreason"
+
+
+@pytest.mark.parametrize("args, refused", [
+    (["run", "--gate-logprob", "-0.5"], "--gate-logprob is a setting of specreason; the policy large would not read it"),
+    (["run", "--policy", "arbitrage", "--margin", "2"], "--margin is a setting of specreason; the policy arbitrage"),
+    (["run", "--router", "heuristic"], "--router is a setting of arbitrage; the policy large"),
+    (["bench", "--policies", "large,small", "--judge", "llm"], "the policies large, small would not read it"),
+])
+def test_a_policy_option_the_runs_would_not_read_is_refused_by_name(tmp_path, args, refused):
+    # the default policy is large, which has no settings: `--gate-logprob` there used to change nothing, silently
+    tasks = tmp_path / "t.jsonl"
+    tasks.write_text('{"id": "a", "question": "q", "answer": "1"}\n')
+    command, *options = args
+    out = ["-o", str(tmp_path / ("r.jsonl" if command == "run" else "b"))]
+    result = CliRunner().invoke(main, [command, str(tasks), *out, *options, "--small", REMOTE, "--large", REMOTE])
+    assert result.exit_code == 2 and refused in result.output, result.output
+    assert not (tmp_path / "r.jsonl").exists() and not (tmp_path / "b").exists()  # before anything was written
+
+
+def test_a_policy_option_is_taken_where_a_policy_run_reads_it(tmp_path):
+    from thinkahead.cli.options import build_settings
+
+    none = dict.fromkeys(("config_path", "small", "large", "dtype", "threshold", "max_steps", "max_tokens",
+                          "step_tokens", "no_token_spec"))
+    assert build_settings(**none, gate_logprob=-0.5, policy="specreason")["policy"]["gate_logprob"] == -0.5
+    assert build_settings(**none, router="heuristic", reads=["large", "arbitrage"])["policy"]["router"] == "heuristic"
+    # serve: a request names its policy, so any policy's option may be read
+    assert build_settings(**none, margin=2.0, reads=POLICY_NAMES)["policy"]["margin"] == 2.0

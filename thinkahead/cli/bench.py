@@ -46,7 +46,7 @@ def bench(input_path, suite, workflow, policies, thresholds, judges, token_spec,
         tasks, annotate, graph, title, suite_workflow = _bench_tasks(input_path, suite, limit, checker, workflow)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
-    settings = build_settings(**options, workflow=workflow or suite_workflow)
+    settings = build_settings(**options, workflow=workflow or suite_workflow, reads=names)
     try:
         configs = matrix(names, sweep, token_spec, tuple(j.strip() for j in judges.split(",") if j.strip())
                          or (settings["policy"]["judge"],), settings["policy"]["repair"])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -13,7 +13,7 @@ import click
 
 from thinkahead.config import default
 from thinkahead.models.weights import DTYPES
-from thinkahead.step_spec.policies import JUDGES, POLICY_NAMES, REPAIRS
+from thinkahead.step_spec.policies import JUDGES, POLICIES as POLICY_REGISTRY, POLICY_NAMES, REPAIRS
 from thinkahead.token_spec.names import DRAFTER_CHOICES, SOLO_DRAFTER
 
 POLICIES = POLICY_NAMES  # the registry's policies for batch runs (run, bench, serve)
@@ -168,8 +168,10 @@ def orchestrator_options(fn):
 
 def build_settings(config_path, small, large, dtype, threshold, max_steps, max_tokens, step_tokens, no_token_spec,
                    record=None, judge=None, margin=None, word_margin=None, repair=None, router=None,
-                   pre_router=None, gate_logprob=None, drafter=None, **extra: Any) -> dict[str, Any]:
-    """An `OrchestratorConfig` as a dict: the file's values, overridden by the options given."""
+                   pre_router=None, gate_logprob=None, drafter=None, reads: Sequence[str] | None = None,
+                   **extra: Any) -> dict[str, Any]:
+    """An `OrchestratorConfig` as a dict: the file's values, overridden by the options given. A step policy's
+    option given here must be read by one of `reads`, the policies the command runs (None: the configured one)."""
     from pydantic import ValidationError
 
     from thinkahead.config import OrchestratorConfig, explain
@@ -213,12 +215,27 @@ def build_settings(config_path, small, large, dtype, threshold, max_steps, max_t
         OrchestratorConfig.model_validate(data)
     except ValidationError as exc:
         raise InputError(explain(exc, "options")) from None
+    check_policy_options({"threshold": threshold, "judge": judge, "margin": margin, "word_margin": word_margin,
+                          "repair": repair, "router": router, "pre_router": pre_router, "gate_logprob": gate_logprob},
+                         [data["policy"]["name"]] if reads is None else reads)
     for tier in ("small", "large"):  # as the Orchestrator will, before any work (a hub model not on disk)
         try:
             check_hub_model_local(data[tier]["spec"])
         except ValueError as exc:
             raise InputError(f"{tier} model: {exc}") from None
     return data
+
+
+def check_policy_options(given: dict[str, Any], policies: Sequence[str]) -> None:
+    """An `InputError` for a step policy's option given on the command line that none of `policies` reads
+    (`--gate-logprob` with `--policy large`): it would change nothing, so it is refused by name."""
+    for key, value in given.items():
+        if value is None or any(key in POLICY_REGISTRY[name].options.model_fields for name in policies):
+            continue
+        readers = [name for name, entry in POLICY_REGISTRY.items() if entry.batch and key in entry.options.model_fields]
+        ran = f"the policy {policies[0]}" if len(policies) == 1 else f"the policies {', '.join(policies)}"
+        raise InputError(f"--{key.replace('_', '-')} is a setting of {' and '.join(readers)}; {ran} would not read "
+                         f"it (choose the policy {readers[0]}, or leave --{key.replace('_', '-')} out)")
 
 
 def quiet_loading() -> None:

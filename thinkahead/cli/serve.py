@@ -49,7 +49,8 @@ def serve(host, port, policy, concurrency, api_key, allow_origins, allowed_hosts
     from thinkahead.serving.app import create_app
     from thinkahead.serving.limits import LOOPBACK_HOSTS
 
-    settings = build_settings(**options, policy=policy, concurrency=concurrency)
+    # a request names its policy (thinkahead/cot:specreason): every policy's options may be read
+    settings = build_settings(**options, policy=policy, concurrency=concurrency, reads=POLICIES)
     hosts = list(allowed_hosts) or (list(LOOPBACK_HOSTS) if host in LOOPBACK_HOSTS else None)
     server = {"api_key": api_key, "allow_origins": list(allow_origins), "allowed_hosts": hosts}
     if max_queue is not None:
