@@ -137,7 +137,10 @@ def test_llama_server_scores_a_continuation_as_the_local_engine_does(llama, loca
     step = "17 * 23 = 391.\n\n"
     scores = run(model, lambda m: m.continuation_scores(prompt, step))
     want = asyncio.run(local.continuation_scores(prompt, step))
-    assert model.scorer.method == "llama"
+    assert model.scorer.method == "llama" and model.scorer.grammar
+    # the step in one request, forced by a grammar of its text: 11 of its 12 tokens; under the grammar the server
+    # writes "." where we have ".\n\n" (the same text, tokenized otherwise), so the last is forced alone
+    assert model.scorer.alone == 1
     assert [s.text for s in scores] == [s.text for s in want]
     for got, ref in zip(scores, want):
         assert abs(got.logprob - ref.logprob) < NATS and abs(got.top_logprob - ref.top_logprob) < NATS, (got, ref)
@@ -208,3 +211,44 @@ def test_a_server_restart_between_calls_costs_no_second_probe(llama) -> None:
     before, after = run(model, across_restart)
     assert model.scorer.method == "llama"
     assert [(s.text, round(s.logprob, 3)) for s in before] == [(s.text, round(s.logprob, 3)) for s in after]
+
+
+def test_a_run_across_a_server_restart_keeps_its_finished_runs_and_resumes(llama, tmp_path) -> None:
+    """`thinkahead run` with the large model behind llama-server, restarted (cold, same port) while a run is on
+    it: the runs finished before are kept; one cut off either finishes (a request sent again once the server is
+    back) or is stored as failed, naming why; the same command again runs only what did not finish."""
+    import shutil
+    import sys
+
+    from thinkahead.cli.options import EXIT_OK, EXIT_RUNS_FAILED
+    from thinkahead.orchestrator.store import DONE_STATUSES, ResultStore
+
+    tasks = tmp_path / "tasks.jsonl"
+    shutil.copy(Path(__file__).parents[1] / "examples" / "word_problems.jsonl", tasks)
+    out = tmp_path / "runs.jsonl"
+    command = [sys.executable, "-m", "thinkahead", "run", str(tasks), "-o", str(out), "--policy", "large",
+               "--large", f"openai:{MODEL}@{llama.url}/v1", "--small", MODEL, "--concurrency", "1"]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (out.exists() and len(out.read_text().splitlines()) >= 2 and llama.slots_busy()):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
+            time.sleep(0.1)
+        llama.restart()  # the first run is stored; the second is decoding on the server
+        output = proc.communicate(timeout=600)[0]
+    finally:
+        proc.kill()
+    first = ResultStore(out).latest()
+    assert proc.returncode in (EXIT_OK, EXIT_RUNS_FAILED), output[-3000:]
+    assert set(first) == {"apples", "train", "books"}, output[-3000:]
+    failed = [r for r in first.values() if r.status not in DONE_STATUSES]
+    assert (proc.returncode == EXIT_RUNS_FAILED) == bool(failed)
+    assert all(r.error for r in failed), [r.error for r in failed]  # a failed run says why
+    again = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert again.returncode == EXIT_OK, again.stdout[-3000:] + again.stderr[-3000:]
+    latest = ResultStore(out).latest()
+    assert all(r.status in DONE_STATUSES for r in latest.values())
+    for run_id, result in first.items():
+        if result.status in DONE_STATUSES:  # finished before the restart: kept as they were, not run again
+            assert latest[run_id].answer == result.answer and latest[run_id].trace == result.trace
+    assert sorted(r.answer for r in latest.values()) == ["15", "150", "29"]
