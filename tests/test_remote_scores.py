@@ -105,25 +105,19 @@ class FakeVLLM(FakeHttpServer):
 
 class FakeLlamaServer(FakeHttpServer):
     """llama-server: `/v1/completions` ignores echo (chat-shaped logprobs of generated tokens), native `/completion`
-    samples greedily after `logit_bias` and under a `grammar` (here: one literal, `root ::= "TEXT"`), and reports
-    raw-softmax probabilities; `/tokenize` takes `content`, `/detokenize` `tokens`. `grammar`: "takes", "refuses"
-    (400, as a server without grammars), or "parts" (its tokens of the literal part from ours at the second)."""
+    samples greedily after `logit_bias` and reports raw-softmax probabilities, `/tokenize` takes `content`."""
 
-    def __init__(self, grammar: str = "takes") -> None:
+    def __init__(self) -> None:
         super().__init__()
         self.requests: list[tuple[str, Any]] = []
         self.slot: list[int] = []  # the one slot's cached tokens
         self.evaluated: list[int] = []  # prompt tokens evaluated per /completion (the rest came from the cache)
-        self.grammar = grammar
 
-    def _generate(self, ids: list[int], n: int, n_probs: int, bias: dict[int, float],
-                  forced: list[int] | None = None) -> list[dict[str, Any]]:
+    def _generate(self, ids: list[int], n: int, n_probs: int, bias: dict[int, float]) -> list[dict[str, Any]]:
         out, ids = [], list(ids)
-        for k in range(n):
+        for _ in range(n):
             lp = toy_logprobs(ids)
             tok = int(np.argmax(lp + np.array([bias.get(t, 0.0) for t in range(VOCAB)])))
-            if forced is not None:  # the grammar's text, tokenized as we do; "parts": otherwise from the second
-                tok = forced[k] if not (self.grammar == "parts" and k == 1) else (forced[k] + 1) % VOCAB
             top = [{"id": int(t), "token": WORDS[t], "bytes": list(WORDS[t].encode()), "logprob": float(lp[t])}
                    for t in np.argsort(-lp)[:n_probs]]
             out.append({"id": tok, "token": WORDS[tok], "bytes": list(WORDS[tok].encode()), "logprob": float(lp[tok]),
@@ -136,10 +130,6 @@ class FakeLlamaServer(FakeHttpServer):
         self.requests.append((request.path, body))
         if request.path == "/tokenize":
             return json_reply(200, {"tokens": ids_of(body["content"]) if "content" in body else []})  # as it does
-        if request.path == "/detokenize":
-            return json_reply(200, {"content": " ".join(WORDS[t] for t in body["tokens"])})
-        if "grammar" in body and self.grammar == "refuses":
-            return json_reply(400, {"error": {"code": 400, "message": "grammar not supported", "type": "invalid"}})
         prompt = body["prompt"] if isinstance(body["prompt"], list) else ids_of(body["prompt"])
         if request.path == "/v1/completions":  # echo is not read; logprobs come in the chat shape
             probs = self._generate(prompt, max(1, body.get("max_tokens") or 16), body.get("logprobs") or 0, {})
@@ -154,10 +144,7 @@ class FakeLlamaServer(FakeHttpServer):
         self.evaluated.append(len(prompt) - cached)
         self.slot = list(prompt)  # the sampled token is not evaluated when n_predict ends the generation
         bias = {int(t): float(b) for t, b in body.get("logit_bias", [])}
-        literal = body["grammar"].split('"', 1)[1].rsplit('"', 1)[0] if "grammar" in body else None
-        forced = ids_of(literal) if literal is not None else None
-        probs = self._generate(prompt, min(body["n_predict"], len(forced or [])) if forced else body["n_predict"],
-                               body.get("n_probs", 0), bias, forced)
+        probs = self._generate(prompt, body["n_predict"], body.get("n_probs", 0), bias)
         reply = {"index": 0, "content": "".join(p["token"] for p in probs), "tokens": [], "id_slot": 0, "stop": True,
                  "tokens_predicted": len(probs), "tokens_evaluated": len(prompt), "stop_type": "limit",
                  "stopping_word": "", "tokens_cached": cached}
@@ -222,13 +209,7 @@ def test_without_a_local_tokenizer_the_servers_tokenize_gives_the_ids() -> None:
             server.stop()
 
 
-def forced_one(ids: list[int], i: int) -> dict[str, Any]:
-    """The request that scores `ids[i]` alone, forcing it by logit_bias."""
-    return {"prompt": ids[:i], "n_predict": 1, "n_probs": 1, "temperature": 0, "cache_prompt": True,
-            "post_sampling_probs": False, "logit_bias": [[ids[i], FORCE_BIAS]]}
-
-
-def test_llama_server_scores_a_continuation_by_generating_it_forced_by_a_grammar(word_tokenizer) -> None:
+def test_llama_server_scores_each_token_by_forcing_it_on_the_native_endpoint(word_tokenizer) -> None:
     server = started(FakeLlamaServer())
     try:
         model = OpenAIModel("m", base_url=f"{server.url}/v1", api_key="", tokenizer=word_tokenizer)
@@ -238,44 +219,18 @@ def test_llama_server_scores_a_continuation_by_generating_it_forced_by_a_grammar
         paths = [p for p, _ in server.requests]
         assert paths[0] == "/v1/completions"  # the echo probe first: llama-server ignores echo, so not that
         assert model.scorer.method == "llama"
-        (_, scored), = server.requests[2:]  # after the two probes: one request for the whole continuation
-        assert model.scorer.alone == 0
-        text = word_tokenizer.decode(ids[start:])
-        assert scored == {"prompt": ids[:start], "n_predict": len(ids) - start, "n_probs": 1, "temperature": 0,
-                          "cache_prompt": True, "post_sampling_probs": False, "grammar": f'root ::= "{text}"'}
+        scored = [b for p, b in server.requests[2:]]  # after the two probes: one request per continuation token
+        assert len(scored) == len(ids) - start
+        for i, body in zip(range(start, len(ids)), scored):
+            assert body == {"prompt": ids[:i], "n_predict": 1, "n_probs": 1, "temperature": 0, "cache_prompt": True,
+                            "post_sampling_probs": False, "logit_bias": [[ids[i], FORCE_BIAS]]}
+        assert server.evaluated[-len(scored) + 1:] == [1] * (len(scored) - 1)  # the prefix came from the slot's cache
         # a token outside the top k still gets its exact log-probability (it was the one sampled)
         worst = min(scores, key=lambda s: s.logprob)
         assert worst.gap > 3 and worst.logprob == min(w[1] for w in expected(ids, start))
         judge = run_model(model, lambda m: m.next_token_logprobs(PROMPT, top_k=2))  # /v1/completions' chat-shaped logprobs
         row = toy_logprobs(ids_of(PROMPT))
         assert judge == {WORDS[t]: float(row[t]) for t in np.argsort(-row)[:2]}
-    finally:
-        server.stop()
-
-
-@pytest.mark.parametrize("grammar", ["parts", "refuses"])
-def test_where_the_forced_tokens_part_from_ours_each_is_forced_alone(word_tokenizer, grammar) -> None:
-    # the server tokenized the grammar's text otherwise from the second token (or takes no grammar at all): the
-    # tokens it agreed on are kept, each one after is scored in a request of its own (logit_bias)
-    server = started(FakeLlamaServer(grammar))
-    try:
-        model = OpenAIModel("m", base_url=f"{server.url}/v1", api_key="", tokenizer=word_tokenizer)
-        scores = run_model(model, lambda m: m.continuation_scores(PROMPT, CONTINUATION))
-        ids, start = ids_of(PROMPT + CONTINUATION), len(ids_of(PROMPT))
-        check_scores(scores, ids, start)
-        bodies = [b for p, b in server.requests[1:] if p == "/completion"]
-        kept = 1 if grammar == "parts" else 0
-        assert model.scorer.alone == len(ids) - start - kept + (grammar == "refuses")  # the probe's token too
-        probe = [forced_one(ids_of(PROBE_TEXT), len(ids_of(PROBE_TEXT)) - 1)] if grammar == "refuses" else []
-        alone = [forced_one(ids, i) for i in range(start + kept, len(ids))]
-        if grammar == "parts":  # the probe's one token and the continuation were each asked by grammar first
-            assert ["grammar" in b for b in bodies] == [True, True] + [False] * len(alone) and bodies[2:] == alone
-        else:  # refused at the probe: never asked again
-            assert ["grammar" in b for b in bodies] == [True] + [False] * (1 + len(alone)) and bodies[1:] == probe + alone
-            assert server.evaluated[-len(alone) + 1:] == [1] * (len(alone) - 1)  # the prefix came from the slot's cache
-        # a token outside the top k still gets its exact log-probability (it was the one sampled)
-        worst = min(scores, key=lambda s: s.logprob)
-        assert worst.gap > 3 and worst.logprob == min(w[1] for w in expected(ids, start))
     finally:
         server.stop()
 

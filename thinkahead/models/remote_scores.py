@@ -10,15 +10,15 @@ first needed (`RemoteScorer.probe`; `SpecReason` probes before a run's first ste
   legacy `logprobs` (`tokens`, `token_logprobs`, `top_logprobs` keyed by text), whose entries align with the ids
   sent (the first token has no score).
 * `llama` (llama.cpp's `llama-server`, whose `/v1/completions` ignores `echo`): the native `POST /completion`
-  scores only generated tokens, so the continuation is generated, forced: one request with the ids before it as
-  the prompt, `n_predict` its length, `n_probs: k`, greedy, and a grammar that admits its text alone. The server
-  reports each sampled token's probability from a softmax over all raw logits (`post_sampling_probs: false`: the
-  grammar and the samplers are not in it), so its log-probability is exact wherever it ranks, and the top `k`
-  beside it. Where the server's tokens part from ours (the same text, tokenized otherwise), each token from there
-  is forced alone: a request per token, `n_predict: 1` and `logit_bias` making it the one sampled (also the
-  method where a server refuses the grammar). The cost is one decode step per token, not one prefill for them
-  all: each request is queued for a slot, and one that lands on a slot without the prefix reads the prompt again
-  (measured on 8 chains in flight: one request per token took seconds per judged step, docs/results/mixed_deployment.md).
+  scores only generated tokens, so each continuation token costs one request: the ids before it as the prompt,
+  `n_predict: 1`, `n_probs: k`, greedy, and `logit_bias` forcing that token to be the one sampled. The server
+  reports the sampled token's probability from a softmax over all raw logits (`post_sampling_probs: false`:
+  the bias and the samplers are not in it), so its log-probability is exact wherever it ranks, and the top `k`
+  beside it. The cost is one decode step and one round trip per token, not one prefill for them all; the
+  server's prompt cache keeps each request to the one new token while a slot holds the prefix. (Tried and
+  dropped: one request generating the whole continuation under a grammar of its text. On an idle llama-server
+  with the 1.5B, a 44-token step took 2.5-2.8 s that way against 1.34 s a token per request: the grammar
+  sampler is slow over a 151k vocabulary, and the server's own tokens of the text parted from ours after 10.)
 
 Token ids: with a local `tokenizer` (`OpenAIModel(tokenizer=...)`), the ids are ours and are sent as the prompt,
 so the scores are of exactly the tokens a local model would score; without one, the server's `POST /tokenize`
@@ -46,7 +46,6 @@ log = logging.getLogger(__name__)
 ECHO, LLAMA = "echo", "llama"  # the scoring methods, in probing order
 SCORE_METHODS = (ECHO, LLAMA)
 FORCE_BIAS = 1.0e4  # llama.cpp logit_bias that makes the scored token the sampled one (raw logits are ~1e1)
-GBNF_ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r", "\t": "\\t", "[": "\\[", "]": "\\]"}
 PROBE_TEXT = "One, two, three"  # a few tokens in any vocabulary
 
 
@@ -68,8 +67,6 @@ class RemoteScorer:
         self.model = model
         self.method: str | None = None
         self.refusal: str | None = None  # why no method works, once probed
-        self.grammar = True  # llama: the server forces a continuation by a grammar (False once it refused one)
-        self.alone = 0  # llama: tokens scored in a request of their own (where the forced ones parted from ours)
 
     @property
     def root(self) -> str:
@@ -161,11 +158,7 @@ class RemoteScorer:
     async def _score(self, method: str, ids: list[int], start: int, top_k: int) -> list[TokenLogprob]:
         if method == ECHO:
             return await self._score_echo(ids, start, top_k)
-        out = await self._score_llama_forced(ids, start, top_k) if self.grammar else []
-        for i in range(start + len(out), len(ids)):  # where the forced tokens part from ours: one request a token
-            out.append(await self._score_llama(ids, i, top_k))
-            self.alone += 1
-        return out
+        return [await self._score_llama(ids, i, top_k) for i in range(start, len(ids))]
 
     async def _score_echo(self, ids: list[int], start: int, top_k: int) -> list[TokenLogprob]:
         model = self.model
@@ -184,59 +177,23 @@ class RemoteScorer:
             raise UnusableScores(f"echo reply scores no prompt tokens (logprobs: {str(lp)[:120]})")
         return [self._from_legacy(ids[i], tokens[i], values[i], tops[i], top_k) for i in range(start, len(ids))]
 
-    async def _score_llama_forced(self, ids: list[int], start: int, top_k: int) -> list[TokenLogprob]:
-        """`ids[start:]` generated in one request under a grammar of their text: the scores up to the first token
-        the server picked otherwise (the rest is scored a token at a time)."""
-        text = await self._detokenize(ids[start:])
-        payload = {"prompt": ids[:start], "n_predict": len(ids) - start, "n_probs": top_k, "temperature": 0,
-                   "cache_prompt": True, "post_sampling_probs": False, "grammar": gbnf_literal(text)}
-        try:
-            reply = await self.model.client.post_json(f"{self.root}/completion", payload)
-        except ModelServerError as exc:
-            if exc.status not in REFUSING_STATUSES:
-                raise
-            self.grammar = False  # a server without grammars: a token at a time from now on
-            log.info("%s takes no grammar on /completion (%s): scoring a token per request", self.model.model, exc)
-            return []
-        probs = reply.get("completion_probabilities")
-        out: list[TokenLogprob] = []
-        for token, entry in zip(ids[start:], probs if isinstance(probs, list) else []):
-            if not isinstance(entry, dict) or entry.get("id") != token:
-                break
-            out.append(self._from_llama(token, entry, top_k))
-        return out
-
-    async def _detokenize(self, ids: list[int]) -> str:
-        tokenizer = self.model.tokenizer
-        if tokenizer is not None:
-            return str(tokenizer.decode(ids))
-        reply = await self.model.client.post_json(f"{self.root}/detokenize", {"tokens": ids}, idempotent=True)
-        if not isinstance(reply.get("content"), str):
-            raise UnusableScores(f"/detokenize reply has no content: {reply!r}"[:300])
-        return str(reply["content"])
-
     async def _score_llama(self, ids: list[int], i: int, top_k: int) -> TokenLogprob:
         payload = {"prompt": ids[:i], "n_predict": 1, "n_probs": top_k, "temperature": 0, "cache_prompt": True,
                    "post_sampling_probs": False, "logit_bias": [[ids[i], FORCE_BIAS]]}
         reply = await self.model.client.post_json(f"{self.root}/completion", payload)
         probs = reply.get("completion_probabilities")
         entry = probs[0] if isinstance(probs, list) and probs and isinstance(probs[0], dict) else None
-        if entry is None or entry.get("id") != ids[i]:
+        if entry is None or entry.get("id") != ids[i] or not _is_number(entry.get("logprob")):
             raise UnusableScores(f"/completion reply scores no forced token {ids[i]}: {str(probs)[:160]}")
-        return self._from_llama(ids[i], entry, top_k)
-
-    # -- reply shapes ----------------------------------------------------------------------------
-
-    def _from_llama(self, token: int, entry: dict[str, Any], top_k: int) -> TokenLogprob:
-        """One `completion_probabilities` entry of a forced token: its raw log-probability and the top `top_k`."""
-        if not _is_number(entry.get("logprob")):
-            raise UnusableScores(f"/completion reply has no log-probability for token {token}: {str(entry)[:160]}")
         top = []
         for alt in entry.get("top_logprobs") or []:
             if not (isinstance(alt, dict) and _is_int(alt.get("id")) and _is_number(alt.get("logprob"))):
                 raise UnusableScores(f"/completion top_logprobs entry is not {{id, token, logprob}}: {alt!r}"[:200])
             top.append((alt["id"], self._text(alt["id"], str(alt.get("token", ""))), float(alt["logprob"])))
-        return TokenLogprob(token, self._text(token, str(entry.get("token", ""))), float(entry["logprob"]), top[:top_k])
+        return TokenLogprob(ids[i], self._text(ids[i], str(entry.get("token", ""))), float(entry["logprob"]),
+                            top[:top_k])
+
+    # -- reply shapes ----------------------------------------------------------------------------
 
     def _from_ranked(self, token: int, row: Any, top_k: int) -> TokenLogprob:
         """One vLLM `prompt_logprobs` row: {"id": {"logprob", "rank", "decoded_token"}} for the token and the top."""
@@ -286,13 +243,6 @@ class RemoteScorer:
             return -1
         ids = tokenizer.encode(text, add_special_tokens=False)
         return int(ids[0]) if len(ids) == 1 and tokenizer.decode(ids) == text else -1
-
-
-def gbnf_literal(text: str) -> str:
-    """A llama.cpp grammar (GBNF) whose only sentence is `text`."""
-    escaped = "".join(GBNF_ESCAPES.get(c, c if c.isprintable() or ord(c) > 0x7F else f"\\x{ord(c):02X}")
-                      for c in text)
-    return f'root ::= "{escaped}"'
 
 
 def _describe(method: str) -> str:
