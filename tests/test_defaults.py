@@ -15,6 +15,7 @@ from thinkahead.cli.reason import reason
 from thinkahead.cli.run import run
 from thinkahead.cli.serve import serve
 from thinkahead.config import OrchestratorConfig
+from thinkahead.models.engine_config import EngineConfig
 from thinkahead.models.local import LocalModel
 from thinkahead.sdk import Orchestrator
 from thinkahead.step_spec.loop import StepBudget
@@ -54,9 +55,10 @@ def test_every_entry_point_resolves_the_same_defaults() -> None:
     g = option_defaults(generate)
     assert (g["dtype"], g["drafter"], g["max_draft"]) == (table["dtype"][0], table["drafter"][0], table["max_draft"][0])
     # the library's own defaults
-    local = inspect.signature(LocalModel).parameters
-    assert (local["dtype"].default, local["drafter"].default, local["max_draft"].default) == (
-        table["dtype"][0], table["drafter"][0], table["max_draft"][0])
+    assert not {"dtype", "drafter", "max_draft"} & set(inspect.signature(LocalModel).parameters)  # read from:
+    engine = EngineConfig()
+    assert (engine.dtype, engine.drafter, engine.max_draft) == (table["dtype"][0], table["drafter"][0],
+                                                                table["max_draft"][0])
     assert inspect.signature(build_decoder).parameters["max_draft"].default == table["max_draft"][0]
     assert SegmentConfig().max_step_tokens == table["max_step_tokens"]
     assert StepBudget().model_dump() == table["steps"]

@@ -116,4 +116,4 @@ def test_the_default_kv_budget_is_a_share_of_free_memory_by_the_models_kv_bytes(
     budget = kv_token_budget(model, share=0.5)
     free = __import__("os").sysconf("SC_AVPHYS_PAGES") * __import__("os").sysconf("SC_PAGE_SIZE")
     assert abs(budget - free * 0.5 / per_token) / budget < 0.2  # free memory moves a little between the reads
-    assert kv_token_budget(object()) is None
+    assert kv_token_budget(object(), 0.5) is None

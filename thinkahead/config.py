@@ -28,9 +28,9 @@ from thinkahead.orchestrator.budget import RetryPolicy, RunBudget
 from thinkahead.step_spec.loop import StepBudget
 from thinkahead.step_spec.policies import PolicySettings
 from thinkahead.step_spec.segment import SegmentConfig
-from thinkahead.models.dtypes import DEFAULT_DTYPE
+from thinkahead.models.engine_config import ENGINE_SETTINGS, EngineConfig
 from thinkahead.models.loader import REMOTE_PREFIXES
-from thinkahead.token_spec.names import AUTO_DRAFTER, DRAFTER_CHOICES, MAX_DRAFT, MODEL_DRAFT_KINDS, check_drafter
+from thinkahead.token_spec.names import MODEL_DRAFT_KINDS
 
 # A run's wall-clock deadline unless `budget.max_wall_s` says otherwise (`null`: none). Runs of the
 # local models take seconds to a few minutes; each model call is bounded too, by its backend's
@@ -40,6 +40,8 @@ DEFAULT_RUN_WALL_S = 1800.0
 # decodes them together, one forward per step (token_spec/batching.py). 8 GSM8K chains on the 1.5B: 2.5x the
 # tokens per second of one at a time, 16 no more (docs/results/batching.md); `run` on 20 problems 1.9x faster.
 CONCURRENCY = 8
+# Engine settings a remote model's config may carry, unused: `--dtype` applies to both models of a command
+REMOTE_TOLERATED = ("dtype",)
 PARTIAL = "partial"  # validation context key: a config file that command-line options complete
 
 
@@ -51,14 +53,10 @@ def one_of(value: str, names: Iterable[str], what: str) -> str:
     return value
 
 
-class ModelConfig(BaseModel, extra="forbid"):
-    """A model: its spec (see `load_model`) and backend options."""
+class ModelConfig(EngineConfig, frozen=False):
+    """A model: its spec (see `load_model`), and for a local one how its engine runs (`EngineConfig`'s fields)."""
 
     spec: str
-    dtype: str = DEFAULT_DTYPE  # gguf for GGUF files the native kernel runs, else int8 (models/dtypes.py)
-    drafter: str = Field(default=AUTO_DRAFTER, description="token drafter of a local model: auto (combined) or a "
-                         "named one; hybrid/draft-model (large model only) draft with the small local model")
-    max_draft: int = Field(default=MAX_DRAFT, gt=0)
     tokenizer: str | None = Field(default=None, description="remote models: a model spec whose chat template to use")
     record: str | None = Field(default=None, description="local models: append every generation's token ids here")
 
@@ -69,20 +67,8 @@ class ModelConfig(BaseModel, extra="forbid"):
 
         return check_model_spec(value)
 
-    @field_validator("dtype")
-    @classmethod
-    def _known_dtype(cls, value: str) -> str:
-        from thinkahead.models.weights import DTYPES
-
-        return one_of(value, DTYPES, "dtype")
-
-    @field_validator("drafter")
-    @classmethod
-    def _known_drafter(cls, value: str) -> str:
-        return check_drafter(value, DRAFTER_CHOICES)
-
     def options(self) -> dict[str, Any]:
-        options: dict[str, Any] = {"dtype": self.dtype, "drafter": self.drafter, "max_draft": self.max_draft}
+        options: dict[str, Any] = {key: getattr(self, key) for key in ENGINE_SETTINGS}
         if self.tokenizer is not None:
             options["tokenizer"] = self.tokenizer
         if self.record is not None:
@@ -91,13 +77,16 @@ class ModelConfig(BaseModel, extra="forbid"):
 
     @model_validator(mode="after")
     def _tokenizer_only_for_remote(self) -> ModelConfig:
-        if self.tokenizer is not None and not self.spec.startswith(REMOTE_PREFIXES):
+        remote = self.spec.startswith(REMOTE_PREFIXES)
+        if self.tokenizer is not None and not remote:
             raise ValueError(f"model {self.spec!r}: tokenizer is only for remote (openai:/sglang:) models")
-        if self.record is not None and self.spec.startswith(REMOTE_PREFIXES):
+        if self.record is not None and remote:
             raise ValueError(f"model {self.spec!r}: record is only for local models (remote servers keep their own ids)")
-        if self.drafter != AUTO_DRAFTER and self.spec.startswith(REMOTE_PREFIXES):
-            raise ValueError(f"model {self.spec!r}: drafter is only for local models (a server drafts as it was "
-                             f"started to)")
+        engine_only = [k for k in ENGINE_SETTINGS if k not in REMOTE_TOLERATED and k in self.model_fields_set
+                       and getattr(self, k) != EngineConfig.model_fields[k].default]
+        if remote and engine_only:
+            raise ValueError(f"model {self.spec!r}: {', '.join(engine_only)} only for local models (a server runs "
+                             f"as it was started)")
         return self
 
 

@@ -44,13 +44,11 @@ from typing import Any, TypeVar
 
 from thinkahead.token_spec.controller import CostCurve
 from thinkahead.token_spec.engine import ForwardCall, Rounds, TargetEngine
-from thinkahead.token_spec.names import MAX_DRAFT
+from thinkahead.token_spec.names import MAX_BATCH_ROWS, MAX_DRAFT, PREFILL_CHUNK
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-PREFILL_CHUNK = 64  # prompt tokens per step while other sequences decode (1.5B on 2 cores: ~0.7 s a step)
-MAX_BATCH_ROWS = 512  # rows of one step's forward at most
 INITIAL_ACCEPT = 0.5  # a sequence's acceptance rate before its decoder reports one
 COST_SLOPE = 0.09  # a forward's cost per extra row relative to one row, before any is measured (1.5B: 8 rows 1.6x)
 

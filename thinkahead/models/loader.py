@@ -20,7 +20,6 @@ REMOTE_PREFIXES = ("openai:", "sglang:")
 # serve score by echo, llama-server by its native /completion; any other is refused then, by name: see
 # `thinkahead.models.remote_scores`); `sglang:` scores through /generate.
 SCORELESS_PREFIXES: tuple[str, ...] = ()
-LOCAL_ONLY_OPTIONS = {"dtype", "drafter", "draft", "max_draft", "kv_sessions"}  # dropped for remote backends
 
 
 def _openai_parts(spec: str) -> tuple[str, str]:
@@ -109,7 +108,9 @@ def load_model(spec: str | LanguageModel, **options: Any) -> LanguageModel:
     if isinstance(spec, LanguageModel):
         return spec
     spec = check_model_spec(spec)  # a precise error for a bad spec before any weights load
-    remote_options = {k: v for k, v in options.items() if k not in LOCAL_ONLY_OPTIONS}
+    from thinkahead.models.engine_config import ENGINE_SETTINGS
+
+    remote_options = {k: v for k, v in options.items() if k not in (*ENGINE_SETTINGS, "draft")}  # local only
     if spec.startswith("openai:"):
         from thinkahead.models.openai import OpenAIModel
 

@@ -23,18 +23,14 @@ from thinkahead.models.base import (
 )
 from thinkahead.models.streaming import TextPiece, TextStream
 from thinkahead.models.templates import repair_chat_template
-from thinkahead.models.dtypes import DEFAULT_DTYPE
+from thinkahead.models.engine_config import KV_LIVE_SHARE, KV_MEMORY_SHARE, EngineConfig
 from thinkahead.token_spec.batching import BatchScheduler, Lane
 from thinkahead.token_spec.engine import ForwardCall, Rounds
 from thinkahead.token_spec.grammar import GRAMMAR_KINDS, GrammarSpec, TokenGrammar
 from thinkahead.token_spec.names import (
-    AUTO_DRAFTER, MAX_DRAFT, MODEL_DRAFT_KINDS, SOLO_DRAFTER, common_prefix_len, resolve_drafter,
+    MODEL_DRAFT_KINDS, SOLO_DRAFTER, common_prefix_len, resolve_drafter,
 )
 from thinkahead.token_spec.recording import TokenRecorder
-
-KV_SESSIONS = 16  # finished generations whose KV is kept for prefix reuse (a batch of 8 runs, small and large steps)
-KV_MEMORY_SHARE = 0.25  # of the memory free at load, what the kept KV may hold by default
-KV_LIVE_SHARE = 0.5  # of the memory free at load, what live generations may reserve by default
 
 # Chat-turn end markers of the supported families, used as stop tokens next to the eos token.
 TURN_END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<end_of_turn>", "<|eot_id|>", "<|end|>")
@@ -46,39 +42,32 @@ class LocalModel(LanguageModel):
     Args:
         spec: a model spec (`gguf:PATH`, `hf:ID`, a directory, a registry name such as
             `qwen2.5-coder-0.5b`), resolved as everywhere else; or pass `model=` and `tokenizer=`.
-        dtype: "bfloat16", "float32", "int8" (batch-invariant int8 linears over the dequantized
-            weights) or "gguf" (the GGUF file's own blocks, fastest on CPUs; GGUF models only);
-            see thinkahead/models/dtypes.py.
-        drafter: token-level drafter for speculative requests (`thinkahead.token_spec.names.DRAFTER_CHOICES`):
-            "auto" (the default) is "combined"; "hybrid" and "draft-model" need `draft`.
+        engine: how it runs (`EngineConfig`: dtype, drafter, max draft, KV memory, batching; each default
+            defined there); `**settings` are the same fields as keywords, in place of `engine`'s values
+            (`LocalModel(spec, dtype="gguf", drafter="suffix")`). An unknown or bad one is a ValueError naming it.
+            dtype: "bfloat16", "float32", "int8" (batch-invariant int8 linears over the dequantized weights) or
+            "gguf" (the GGUF file's own blocks, fastest on CPUs; GGUF models only); see models/dtypes.py.
+            drafter: "auto" (the default) is "combined"; "hybrid" and "draft-model" need `draft`.
+            kv_live_tokens: the KV tokens live generations may reserve in all (each its prompt and
+            `max_new_tokens`); more wait for room.
         draft: a smaller `LocalModel` with the same tokenizer that drafts tokens for this one (`hybrid`,
             `draft-model`). The two share one scheduler thread (and the small model's weights: nothing is
-            loaded twice); the small model's own requests run as before.
-        max_draft: largest draft per verify round.
-        kv_sessions: how many finished generations keep their KV for prefix reuse (enough for every
-            sequence of a full batch to find its own prefix again).
-        kv_tokens: the tokens those kept caches hold in all (None: `KV_MEMORY_SHARE` of the memory free
-            at load, by the model's float32 K/V bytes per token).
-        kv_live_tokens: the KV tokens live generations may reserve in all (each its prompt and
-            `max_new_tokens`); more wait for room (None: `KV_LIVE_SHARE` of the memory free at load).
+            loaded twice), so its batching settings must be the draft model's; the small model's own
+            requests run as before.
     """
 
     def __init__(
         self,
         spec: str | None = None,
         *,
+        engine: EngineConfig | None = None,
         model: Any = None,
         tokenizer: Any = None,
-        dtype: str = DEFAULT_DTYPE,
-        drafter: str = AUTO_DRAFTER,
         draft: LocalModel | None = None,
-        max_draft: int = MAX_DRAFT,
-        kv_sessions: int = KV_SESSIONS,
-        kv_tokens: int | None = None,
-        kv_live_tokens: int | None = None,
         cache: Any = None,
         name: str | None = None,
         record: str | os.PathLike[str] | None = None,
+        **settings: Any,
     ) -> None:
         from thinkahead.token_spec.backends.hf import HFEngine
         from thinkahead.token_spec.prefix_pool import KVPrefixPool
@@ -89,7 +78,8 @@ class LocalModel(LanguageModel):
             raise ValueError(f"draft must be a LocalModel, got {type(draft).__name__}")
         if draft is not None and draft.draft is not None:
             raise ValueError(f"draft model {draft.name} drafts with a model itself; give a model that drafts alone")
-        drafter = resolve_drafter(drafter, draft is not None)  # an unknown name, or a model's kind without one: now
+        self.config = config = EngineConfig.of(engine, **settings)
+        drafter = resolve_drafter(config.drafter, draft is not None)  # a model's kind without one: now
         if (spec is None) == (model is None):
             raise ValueError("LocalModel needs either a model spec or model= (with tokenizer=)")
         if model is not None and tokenizer is None:
@@ -97,19 +87,26 @@ class LocalModel(LanguageModel):
         if spec is not None:
             from thinkahead.models.weights import load_causal_lm
 
-            model, tokenizer = load_causal_lm(spec, dtype)
+            model, tokenizer = load_causal_lm(spec, config.dtype)
         self.name = name or spec or getattr(model.config, "name_or_path", "") or "local"
         self.drafter = drafter  # what "auto" became
         if drafter in MODEL_DRAFT_KINDS and not same_tokenizer(tokenizer, draft.tokenizer):
             raise ValueError(f"draft model {draft.name} does not share {self.name}'s tokenizer: it cannot draft "
                              f"its tokens; use a model-free drafter ({SOLO_DRAFTER})")
         self.draft = draft if drafter in MODEL_DRAFT_KINDS else None
+        shared = ("max_batch_rows", "prefill_chunk")  # the draft model's scheduler runs both models
+        if self.draft is not None and any(getattr(config, k) != getattr(self.draft.config, k) for k in shared):
+            raise ValueError(f"{self.name} drafts with {self.draft.name} and shares its scheduler: "
+                             + ", ".join(f"{k} {getattr(config, k)} against {getattr(self.draft.config, k)}"
+                                         for k in shared if getattr(config, k) != getattr(self.draft.config, k))
+                             + " cannot both hold; give both models the same")
         self.tokenizer = repair_chat_template(tokenizer)
         self.engine = HFEngine(model)
         self.suffix_cache = cache if cache is not None else SuffixCache()
-        kv_tokens = kv_tokens if kv_tokens is not None else kv_token_budget(model)
-        self.prefix_pool = KVPrefixPool(self.engine, max_sessions=kv_sessions, max_tokens=kv_tokens)
-        common = dict(tokenizer=tokenizer, cache=self.suffix_cache, max_draft=max_draft, prefix_pool=self.prefix_pool)
+        kv_tokens = config.kv_tokens if config.kv_tokens is not None else kv_token_budget(model, KV_MEMORY_SHARE)
+        self.prefix_pool = KVPrefixPool(self.engine, max_sessions=config.kv_sessions, max_tokens=kv_tokens)
+        common = dict(tokenizer=tokenizer, cache=self.suffix_cache, max_draft=config.max_draft,
+                      prefix_pool=self.prefix_pool)
         draft_engine = self.draft.engine if self.draft is not None else None
         self._speculative = build_decoder(drafter, self.engine, draft_engine=draft_engine, **common)
         self._plain = build_decoder("none", self.engine, **common)
@@ -118,9 +115,10 @@ class LocalModel(LanguageModel):
         threading.Thread(target=self.grammars.warm, name="grammar-tokenizer", daemon=True).start()  # ~1 s
         # the one thread that runs this model's engine, drafters, suffix cache and prefix pool (none thread-safe):
         # with a draft model, that model's thread (the drafter runs its engine)
-        live = kv_live_tokens if kv_live_tokens is not None else kv_token_budget(model, KV_LIVE_SHARE)
+        live = config.kv_live_tokens if config.kv_live_tokens is not None else kv_token_budget(model, KV_LIVE_SHARE)
         self.scheduler: BatchScheduler | Lane = (
-            BatchScheduler(self.engine, name=self.name, max_tokens=live) if self.draft is None
+            BatchScheduler(self.engine, name=self.name, max_tokens=live, max_rows=config.max_batch_rows,
+                           prefill_chunk=config.prefill_chunk) if self.draft is None
             else self.draft.scheduler.lane(self.engine, max_tokens=live))
         self.recorder = TokenRecorder(record) if record is not None else None  # for `thinkahead simulate`
 
@@ -433,7 +431,7 @@ class _Scorer:
             self.session = None
 
 
-def kv_token_budget(model: Any, share: float = KV_MEMORY_SHARE) -> int | None:
+def kv_token_budget(model: Any, share: float) -> int | None:
     """Tokens of float32 K/V that `share` of the memory free now holds for `model` (None where either is unknown)."""
     config = getattr(model, "config", None)
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
