@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 import time
 from concurrent.futures import Future
 
@@ -214,6 +215,52 @@ def test_a_long_prompt_joins_in_pieces_while_others_decode_and_every_output_is_e
     pieces = [n for step in sizes for n in step if n > 1]
     assert max(pieces) == 16 and pieces.count(16) == 149 // 16  # the long prompt: in pieces beside the decoders
 
+
+
+
+def test_a_short_prompt_joining_beside_a_long_one_is_read_first_and_the_long_one_still_moves(engine, monkeypatch):
+    # the long prompt joins first; read in arrival order, the short ones waited for all of it (bench/long_prompt_join.py:
+    # 0.5 s to a first token alone, 4.7 s beside a 1k-token prompt); now the shortest goes first, and a prompt passed
+    # over PREFILL_PATIENCE steps takes a piece
+    from thinkahead.token_spec.batching import PREFILL_PATIENCE
+
+    decoder = build_decoder("none", engine)
+    decoding = [prompt(s, 6) for s in range(2)]
+    long, shorts = prompt(9, 150), [prompt(20 + s, 12) for s in range(PREFILL_PATIENCE + 2)]
+    expected = [plain_greedy(engine, p, 60) for p in decoding] + [plain_greedy(engine, p, 3) for p in [long, *shorts]]
+    steps: list[list[str]] = []  # per step, whose prompt each prefill piece is ("long" or "short")
+    real = engine.forward_batch
+    go, waiting = threading.Event(), threading.Event()
+    go.set()
+
+    def forward(calls):
+        if not go.is_set():
+            waiting.set()
+            go.wait(30)
+        steps.append(["long" if any(long[i:i + len(c.token_ids)] == list(c.token_ids) for i in range(len(long)))
+                      else "short" for c in calls if c.last_only])
+        return real(calls)
+
+    monkeypatch.setattr(engine, "forward_batch", forward)
+    scheduler = BatchScheduler(engine, prefill_chunk=12)
+    futures = [scheduler.submit(lambda p=p: decoder.rounds(p, 60, stop_token_ids=[], share=scheduler.share()))
+               for p in decoding]
+    wait_for_steps(scheduler, 3)
+    go.clear()
+    assert waiting.wait(30)  # the scheduler is inside a step: what is submitted now joins in the next one
+    joined = len(steps) + 1
+    futures += [scheduler.submit(lambda p=p: decoder.rounds(p, 3, stop_token_ids=[], share=scheduler.share()))
+                for p in [long, *shorts]]  # the long prompt first
+    go.set()
+    assert [f.result(timeout=60).token_ids for f in futures] == expected
+    scheduler.close()
+    pieces = steps[joined:]
+    assert pieces[0][0] == "short"  # the shortest first, though the long prompt came first
+    first_long = next(i for i, step in enumerate(pieces) if "long" in step)
+    assert 0 < first_long <= PREFILL_PATIENCE + 1  # it waited, but no longer than its patience
+    last_short = max(i for i, step in enumerate(pieces) if "short" in step)
+    last_long = max(i for i, step in enumerate(pieces) if "long" in step)
+    assert last_short < last_long  # every short prompt was read before the long one was done
 
 
 @pytest.mark.slow

@@ -23,7 +23,8 @@ and longest output each) leave room for its own; the rest wait in arrival order.
 
 Load: a long prompt is prefilled in pieces of `prefill_chunk` tokens while others decode, so it holds them
 for one piece per step at most; a step holds at most `max_rows` rows (decode rounds first, then prefill
-chunks in arrival order, at least one call per step). Speculation is sized by goodput (SmartSpec): after
+chunks, the shortest prompt left first, so one that joins beside a long prompt is not held behind it; at least
+one call per step). Speculation is sized by goodput (SmartSpec): after
 each forward the scheduler plans every sequence's next draft length from its acceptance rate and the
 measured cost of a forward by its rows (`allocate`), so it speculates where drafts hit and backs off as the
 batch fills; a sequence alone is left to its decoder's own controller.
@@ -49,6 +50,9 @@ from thinkahead.token_spec.names import MAX_BATCH_ROWS, MAX_DRAFT, PREFILL_CHUNK
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
+# A prompt passed over this many steps by shorter ones is read first (with 64-row pieces, an 8k-token prompt
+# yields for at most 8 steps in a row, then takes a piece).
+PREFILL_PATIENCE = 8
 INITIAL_ACCEPT = 0.5  # a sequence's acceptance rate before its decoder reports one
 COST_SLOPE = 0.09  # a forward's cost per extra row relative to one row, before any is measured (1.5B: 8 rows 1.6x)
 
@@ -118,6 +122,7 @@ class _Live:
     accept: float = INITIAL_ACCEPT  # its drafts' acceptance rate, as its decoder last said
     batch: int = 1  # sequences in its last forward
     tokens: int = 0  # the KV tokens it may grow to (its prompt and longest output), reserved while it is live
+    passed: int = 0  # steps its prompt waited while shorter ones were read first
 
 
 class BatchScheduler:
@@ -357,15 +362,17 @@ class BatchScheduler:
 
     def _batch(self, lane: _Engine) -> list[tuple[_Live, ForwardCall, bool]]:
         """This step's calls, each with whether it ends its item's call: every decode round (within `max_rows`),
-        then prefills in arrival order. Where the engine batches rows exactly a prefill is cut into pieces (a
-        piece's K/V are the bits the whole prompt's are): while sequences decode, the step's prefill pieces hold
-        at most `prefill_chunk` rows, so a long prompt delays them one chunk per step; with none decoding, up to
-        `max_rows`. At least one call per step (of `lane`'s engine)."""
+        then prefills, the shortest left first (a short prompt joining beside a long one is not held behind it;
+        one passed over `PREFILL_PATIENCE` steps goes first). Where the engine batches rows exactly a prefill is
+        cut into pieces (a piece's K/V are the bits the whole prompt's are): while sequences decode, the step's
+        prefill pieces hold at most `prefill_chunk` rows, so a long prompt delays them one chunk per step; with
+        none decoding, up to `max_rows`. At least one call per step (of `lane`'s engine)."""
         live = sorted((i for i in self._live if self._on(i) is lane), key=lambda i: i.joined)[:self.max_batch]
         if lane.prefill_chunk is None:  # the engine runs the calls one by one: rows cost what they cost
             return [(item, item.call, True) for item in live]
         decode = [i for i in live if not i.call.last_only]
-        prefill = [i for i in live if i.call.last_only]
+        prefill = sorted((i for i in live if i.call.last_only),
+                         key=lambda i: (i.passed < PREFILL_PATIENCE, len(i.call.token_ids), i.joined))
         chosen: list[tuple[_Live, ForwardCall, bool]] = []
         rows = 0
         for item in decode:
@@ -376,14 +383,14 @@ class BatchScheduler:
         room = self.max_rows if not chosen else min(lane.prefill_chunk, self.max_rows - rows)
         for item in prefill:
             call, n = item.call, len(item.call.token_ids)
-            if n <= room:
+            if room <= 0:
+                item.passed += 1
+            elif n <= room:
                 chosen.append((item, call, True))
                 room -= n
-            elif room > 0:
+            else:
                 chosen.append((item, replace(call, token_ids=call.token_ids[:room]), False))
-                room = 0
-            if room <= 0:
-                break
+                room, item.passed = 0, 0
         return chosen
 
     def step(self) -> None:
