@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import socket
 import subprocess
@@ -38,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from decode_profile import cpu_flags  # bench/ is the script's folder
+from decode_profile import cpu_flags, save_result  # bench/ is the script's folder
 
 from thinkahead.evals.data import gsm8k
 from thinkahead.models import LocalModel
@@ -185,12 +184,7 @@ def main() -> None:
         result["llama_server"] = {name: llama_arm(args.llama_server, args.model, extra, questions,
                                                   [s for s in streams if s <= 8], args.tokens)
                                   for name, extra in LLAMA_SETTINGS.items()}
-    result["load_average"] = {"before": load_before, "after": os.getloadavg()}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
-    table = markdown(result, load_before)
-    args.out.with_suffix(".md").write_text(table)
-    print(table, end="")
+    save_result(args.out, result, markdown, load_before)
 
 
 def markdown(result: dict[str, Any], load: tuple[float, float, float]) -> str:

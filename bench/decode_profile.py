@@ -70,6 +70,16 @@ def cpu_flags() -> str:
     return " ".join(f for f in wanted if f in flags) or "none of " + ", ".join(wanted)
 
 
+def save_result(out: Path, result: dict, markdown, load_before: tuple[float, float, float]) -> None:
+    """`result` as OUT (JSON, with the load average before and after) and its markdown table as OUT.md, printed."""
+    result["load_average"] = {"before": load_before, "after": os.getloadavg()}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    table = markdown(result, load_before)
+    out.with_suffix(".md").write_text(table)
+    print(table, end="")
+
+
 NATIVE_KERNELS = "native linears (ours: gguf / int8 kernels, timed around each call)"
 
 

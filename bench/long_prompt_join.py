@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from decode_profile import cpu_flags  # bench/ is the script's folder
+from decode_profile import cpu_flags, save_result  # bench/ is the script's folder
 
 from thinkahead.evals.data import gsm8k
 from thinkahead.models import LocalModel
@@ -126,12 +125,7 @@ def main() -> None:
         result[name] = asyncio.run(phase(model, questions, joiners, prompt, args.tokens))
     a, b = result["without the long prompt"], result["with the long prompt"]
     result["joiners_exact"] = a.pop("joiner_tokens") == b.pop("joiner_tokens")
-    result["load_average"] = {"before": load_before, "after": os.getloadavg()}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
-    table = markdown(result, load_before)
-    args.out.with_suffix(".md").write_text(table)
-    print(table, end="")
+    save_result(args.out, result, markdown, load_before)
 
 
 def markdown(result: dict[str, Any], load: tuple[float, float, float]) -> str:
