@@ -80,6 +80,12 @@ class LocalModel(LanguageModel):
             raise ValueError(f"draft model {draft.name} drafts with a model itself; give a model that drafts alone")
         self.config = config = EngineConfig.of(engine, **settings)
         drafter = resolve_drafter(config.drafter, draft is not None)  # a model's kind without one: now
+        if draft is not None and drafter in MODEL_DRAFT_KINDS:  # the draft model's scheduler runs both models
+            unlike = [f"{k} {getattr(config, k)} against {getattr(draft.config, k)}" for k in ("max_batch_rows",
+                      "prefill_chunk") if getattr(config, k) != getattr(draft.config, k)]
+            if unlike:
+                raise ValueError(f"{name or spec or 'the model'} drafts with {draft.name} and shares its scheduler: "
+                                 f"{', '.join(unlike)} cannot both hold; give both models the same")
         if (spec is None) == (model is None):
             raise ValueError("LocalModel needs either a model spec or model= (with tokenizer=)")
         if model is not None and tokenizer is None:
@@ -94,12 +100,6 @@ class LocalModel(LanguageModel):
             raise ValueError(f"draft model {draft.name} does not share {self.name}'s tokenizer: it cannot draft "
                              f"its tokens; use a model-free drafter ({SOLO_DRAFTER})")
         self.draft = draft if drafter in MODEL_DRAFT_KINDS else None
-        shared = ("max_batch_rows", "prefill_chunk")  # the draft model's scheduler runs both models
-        if self.draft is not None and any(getattr(config, k) != getattr(self.draft.config, k) for k in shared):
-            raise ValueError(f"{self.name} drafts with {self.draft.name} and shares its scheduler: "
-                             + ", ".join(f"{k} {getattr(config, k)} against {getattr(self.draft.config, k)}"
-                                         for k in shared if getattr(config, k) != getattr(self.draft.config, k))
-                             + " cannot both hold; give both models the same")
         self.tokenizer = repair_chat_template(tokenizer)
         self.engine = HFEngine(model)
         self.suffix_cache = cache if cache is not None else SuffixCache()
