@@ -406,6 +406,18 @@ def test_a_remote_model_named_like_a_packaged_model_renders_with_its_chat_templa
     assert load_model(f"openai:qwen2.5-coder-0.5b@{server.base_url}", tokenizer=given).tokenizer is given
 
 
+def test_a_remote_model_named_like_a_packaged_model_not_prepared_here_downloads_nothing(server, monkeypatch,
+                                                                                      caplog) -> None:
+    import thinkahead.models.registry as registry
+    from thinkahead.models.loader import load_model
+
+    monkeypatch.setattr(registry, "prepared_path", lambda name, cache_dir=None: None)
+    monkeypatch.setattr(registry, "prepare", lambda *a, **k: pytest.fail("a remote model prepared a local one"))
+    with caplog.at_level("WARNING", logger="thinkahead.models.loader"):
+        model = load_model(f"openai:qwen2.5-coder-1.5b@{server.base_url}")
+    assert model.tokenizer is None and "not prepared here" in caplog.text and "models prepare" in caplog.text
+
+
 # -- HttpClient directly -------------------------------------------------------------------------
 
 

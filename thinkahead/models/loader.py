@@ -10,9 +10,12 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from thinkahead.models.base import LanguageModel
+
+log = logging.getLogger(__name__)
 
 REMOTE_PREFIXES = ("openai:", "sglang:")
 # Specs whose backend can never score a given continuation, refused before anything loads: none today.
@@ -129,9 +132,14 @@ def load_model(spec: str | LanguageModel, **options: Any) -> LanguageModel:
 def _packaged_tokenizer(name: str | None, options: dict[str, Any]) -> dict[str, Any]:
     """`options`, with `tokenizer=name` when a remote model is named like a packaged model and no tokenizer is
     given: the server is taken to serve that model, so prompts are rendered with its chat template and counted
-    with its tokenizer, as the local model's are (without one, a remote model gets the plain template)."""
-    from thinkahead.models.registry import REGISTRY
+    with its tokenizer, as the local model's are (without one, a remote model gets the plain template). Only
+    from a model prepared here: a remote model never downloads a local one's weights."""
+    from thinkahead.models.registry import REGISTRY, prepared_path
 
-    if name in REGISTRY and options.get("tokenizer") is None:
-        return {**options, "tokenizer": name}
-    return options
+    if name not in REGISTRY or options.get("tokenizer") is not None:
+        return options
+    if prepared_path(name) is None:
+        log.warning("remote model %r is named like a packaged model that is not prepared here: its prompts get the "
+                    "plain template (`thinkahead models prepare %s`, or give the model a tokenizer)", name, name)
+        return options
+    return {**options, "tokenizer": name}
