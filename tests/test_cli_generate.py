@@ -72,6 +72,8 @@ def test_generate_checks_every_file_before_a_model_loads(model_dir, tmp_path) ->
     bad_bytes.write_bytes(b'{"id": "a", "prompt": "w5"}\n{"id": "b", "prompt": "caf\xe9"}\n')
     r = CliRunner().invoke(main, ["generate", "-i", str(bad_bytes), "-m", str(model_dir)])
     assert r.exit_code == 2 and f"{bad_bytes}:2: not UTF-8" in r.output
+    r = CliRunner().invoke(main, ["generate", "w5", "-m", str(model_dir), "--max-draft", "0"])  # was a traceback
+    assert r.exit_code == 2 and "--max-draft" in r.output and "Traceback" not in r.output
 
 
 def test_a_cache_of_another_vocabulary_is_refused(model_dir, tmp_path) -> None:

@@ -57,9 +57,9 @@ def test_a_config_files_engine_settings_reach_the_model_and_a_remote_model_refus
     options = config.large.options()
     assert set(options) >= set(ENGINE_SETTINGS)
     assert (options["kv_live_tokens"], options["prefill_chunk"], options["max_batch_rows"]) == (4000, 32, MAX_BATCH_ROWS)
-    with pytest.raises(ValueError, match="kv_live_tokens, prefill_chunk only for local models"):
+    with pytest.raises(ValueError, match="kv_live_tokens, prefill_chunk are only for local models"):
         ModelConfig(spec=REMOTE, kv_live_tokens=4000, prefill_chunk=32)
-    with pytest.raises(ValueError, match="drafter only for local models"):
+    with pytest.raises(ValueError, match="drafter is only for local models"):
         ModelConfig(spec=REMOTE, drafter="suffix")
     assert ModelConfig(spec=REMOTE, dtype="int8").dtype == "int8"  # --dtype applies to both models of a command
     # the loader drops every engine setting for a remote model (its server runs as it was started)

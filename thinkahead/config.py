@@ -85,8 +85,8 @@ class ModelConfig(EngineConfig, frozen=False):
         engine_only = [k for k in ENGINE_SETTINGS if k not in REMOTE_TOLERATED and k in self.model_fields_set
                        and getattr(self, k) != EngineConfig.model_fields[k].default]
         if remote and engine_only:
-            raise ValueError(f"model {self.spec!r}: {', '.join(engine_only)} only for local models (a server runs "
-                             f"as it was started)")
+            raise ValueError(f"model {self.spec!r}: {', '.join(engine_only)} {'is' if len(engine_only) == 1 else 'are'} "
+                             f"only for local models (a server runs as it was started)")
         return self
 
 

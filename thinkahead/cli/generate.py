@@ -136,7 +136,7 @@ def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
 @click.option("--draft-model", default=None, help="Small model with the target's tokenizer, for --drafter "
               "hybrid and draft-model.")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=256, show_default=True)
-@click.option("--max-draft", type=click.IntRange(min=0), default=default("small.max_draft"), show_default=True,
+@click.option("--max-draft", type=click.IntRange(min=1), default=default("small.max_draft"), show_default=True,
               help="Most draft tokens per round.")
 @click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True)
 @click.option("--top-p", type=click.FloatRange(min=0, min_open=True, max=1), default=1.0, show_default=True)
