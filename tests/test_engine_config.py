@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from thinkahead.config import ModelConfig, OrchestratorConfig
+from thinkahead.config import ENGINE_NEUTRAL, ModelConfig, OrchestratorConfig
 from thinkahead.models.engine_config import ENGINE_SETTINGS, EngineConfig
 from thinkahead.models.loader import load_pair
 from thinkahead.token_spec.names import MAX_BATCH_ROWS, PREFILL_CHUNK
@@ -66,3 +66,42 @@ def test_a_config_files_engine_settings_reach_the_model_and_a_remote_model_refus
     small = build(paths[1], "small")
     _, remote = load_pair(small, REMOTE, large_options=ModelConfig(spec=REMOTE).options())
     assert remote.client.base_url == "http://127.0.0.1:9/v1"
+
+
+def test_engine_settings_may_change_between_resumes_and_older_stores_resume(tmp_path) -> None:
+    # stores written before the engine's memory and batching settings were settings lack them; and they move no
+    # token, so a resume with other values (more KV room, other prefill pieces) goes on
+    from thinkahead.orchestrator.store import ResultStore
+
+    before = OrchestratorConfig().store_identity()
+    assert "prefill_chunk" not in before["large"] and "max_batch_rows" not in before["small"]
+    path = tmp_path / "runs.jsonl"
+
+    def resume(identity) -> None:
+        store = ResultStore(path, config=identity)
+        try:
+            store.open_for_append()
+        finally:
+            store.close()
+
+    resume({**before, "small": {k: v for k, v in before["small"].items() if k not in ENGINE_NEUTRAL},
+            "large": {k: v for k, v in before["large"].items() if k not in ENGINE_NEUTRAL}})  # an older store
+    later = OrchestratorConfig.model_validate({"large": {"spec": "qwen2.5-coder-1.5b", "prefill_chunk": 32,
+                                                         "kv_live_tokens": 5000}})
+    resume(later.store_identity())
+    other = OrchestratorConfig.model_validate({"large": {"spec": "qwen2.5-coder-1.5b", "max_draft": 8}})
+    with pytest.raises(Exception, match="max_draft"):  # what does move tokens still must match
+        resume(other.store_identity())
+
+
+def test_a_config_whose_pair_cannot_share_a_scheduler_is_refused_before_any_model_loads() -> None:
+    with pytest.raises(ValueError, match="prefill_chunk 32 against 64 cannot both hold"):
+        OrchestratorConfig.model_validate({"large": {"spec": "qwen2.5-coder-1.5b", "drafter": "hybrid",
+                                                     "prefill_chunk": 32}})
+    fine = OrchestratorConfig.model_validate({"large": {"spec": "qwen2.5-coder-1.5b", "prefill_chunk": 32}})
+    assert fine.large.prefill_chunk == 32  # a model-free drafter: each model its own scheduler
+
+
+def test_a_model_config_is_an_engine_config() -> None:
+    config = ModelConfig(spec="qwen2.5-coder-0.5b", kv_live_tokens=700, record="/tmp/r.jsonl")
+    assert EngineConfig.of(config) == EngineConfig(kv_live_tokens=700)

@@ -385,6 +385,7 @@ def test_messages_rendering_continue_final(server: FakeOpenAIServer) -> None:
         model.render([{"role": "user", "content": "hi"}], continue_final=True)
 
 
+@pytest.mark.slow  # the packaged 0.5B's tokenizer, from its GGUF (~15 s)
 def test_a_remote_model_named_like_a_packaged_model_renders_with_its_chat_template(server: FakeOpenAIServer) -> None:
     # the README's remote job: without the packaged model's template, llama-server serving that GGUF got
     # "user: ...\n\nassistant: " and wrote other chains (1-2 steps where the local model wrote 5)

@@ -119,7 +119,11 @@ def explain(exc: ValidationError, source: str = "config") -> str:
 
 # Settings that change how a batch runs but not what its runs compute: a store written with one
 # value may be resumed with another (see `OrchestratorConfig.store_identity`).
-RESUME_NEUTRAL = ("concurrency", "retry", "small.record", "large.record", "budget.max_call_s", "batch_budget")
+# The engine's memory and batching settings move no token (the kernels are batch-invariant), and stores written
+# before they were settings lack them.
+ENGINE_NEUTRAL = ("kv_sessions", "kv_tokens", "kv_live_tokens", "max_batch_rows", "prefill_chunk")
+RESUME_NEUTRAL = ("concurrency", "retry", "small.record", "large.record", "budget.max_call_s", "batch_budget",
+                  *(f"{tier}.{key}" for tier in ("small", "large") for key in ENGINE_NEUTRAL))
 
 
 class OrchestratorConfig(BaseModel, extra="forbid"):
@@ -169,6 +173,11 @@ class OrchestratorConfig(BaseModel, extra="forbid"):
         if self.large.drafter in MODEL_DRAFT_KINDS and self.small.spec.startswith(REMOTE_PREFIXES):
             raise ValueError(f"large.drafter {self.large.drafter!r} drafts with the small model, which must be local "
                              f"(got {self.small.spec})")
+        unlike = [f"{key} {getattr(self.large, key)} against {getattr(self.small, key)}"
+                  for key in ("max_batch_rows", "prefill_chunk") if getattr(self.large, key) != getattr(self.small, key)]
+        if self.large.drafter in MODEL_DRAFT_KINDS and unlike:
+            raise ValueError(f"large.drafter {self.large.drafter!r} runs both models on the small one's scheduler: "
+                             f"{', '.join(unlike)} cannot both hold; give both models the same")
         return self
 
     @model_validator(mode="after")

@@ -385,12 +385,14 @@ class BatchScheduler:
             call, n = item.call, len(item.call.token_ids)
             if room <= 0:
                 item.passed += 1
-            elif n <= room:
+                continue
+            item.passed = 0
+            if n <= room:
                 chosen.append((item, call, True))
                 room -= n
             else:
                 chosen.append((item, replace(call, token_ids=call.token_ids[:room]), False))
-                room, item.passed = 0, 0
+                room = 0
         return chosen
 
     def step(self) -> None:

@@ -60,7 +60,7 @@ class EngineConfig(BaseModel, extra="forbid", frozen=True):
     @classmethod
     def of(cls, base: EngineConfig | None = None, **settings: Any) -> EngineConfig:
         """`base` (the defaults if None) with `settings` in place of its values; a ValueError naming each bad one."""
-        data = (base or cls()).model_dump()
+        data = (base or cls()).model_dump(include=set(cls.model_fields))  # a ModelConfig brings its spec too
         unknown = sorted(set(settings) - set(cls.model_fields))
         if unknown:
             raise ValueError(f"unknown engine setting(s) {', '.join(unknown)}; the settings are "
