@@ -190,7 +190,8 @@ class SGLangGenerationRoutes:
             "output_token_logprobs_length": len(output_lps),
         }
         if top_k > 0:
-            meta["input_top_logprobs"] = [None if pos == 0 else [entry(-0.5, prompt_ids[pos])]
+            # the token itself first (the toy engine's greedy choice), then less likely ones, top_k in all
+            meta["input_top_logprobs"] = [None if pos == 0 else [entry(-0.5 - j, prompt_ids[pos] + j) for j in range(top_k)]
                                           for pos in range(lsl, len(prompt_ids))]
             meta["output_top_logprobs"] = [top_rows[0] if i == 0 else [entry(-0.01, t)]
                                            for i, t in enumerate(output_ids)]

@@ -215,6 +215,21 @@ def test_continuation_scores(server: FakeSGLangServer) -> None:
     assert body["logprob_start_len"] == len("Q: 2+2? A:")
 
 
+def test_token_logprobs_score_given_ids_with_their_alternatives_in_one_prefill(server: FakeSGLangServer) -> None:
+    # what `serve` answers `logprobs`/`echo` with when its model is an SGLang server
+    model = make_model(server, tokenizer=CharTokenizer())
+    ids = encode("Q: 2+2? A: 4")
+    scored = run_model(model, lambda m: m.token_logprobs(ids, 8, top_k=3))
+    assert [(t.token_id, t.text, t.logprob) for t in scored] == [(i, chr(i), -0.5) for i in ids[8:]]
+    assert all(t.top == [(t.token_id + j, chr(t.token_id + j), -0.5 - j) for j in range(3)] for t in scored)
+    body = generate_bodies(server)[-1]
+    assert (body["input_ids"], body["logprob_start_len"], body["top_logprobs_num"]) == (ids, 8, 3)
+    plain = run_model(make_model(server, tokenizer=CharTokenizer()), lambda m: m.token_logprobs(ids, 8))
+    assert [t.top for t in plain] == [[]] * (len(ids) - 8) and "top_logprobs_num" not in generate_bodies(server)[-1]
+    with pytest.raises(ValueError, match="0 < start < len"):
+        run_model(make_model(server), lambda m: m.token_logprobs(ids, len(ids)))
+
+
 def test_logprob_start_len_past_the_prompt_is_refused(server: FakeSGLangServer) -> None:
     reply = httpx.post(server.url + "/generate", json={"text": "abc", "return_logprob": True, "logprob_start_len": 9})
     assert reply.status_code == 400 and "Please use a smaller logprob_start_len" in reply.json()["error"]["message"]

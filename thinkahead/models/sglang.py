@@ -35,7 +35,8 @@ from typing import Any
 from urllib.parse import urlparse
 
 from thinkahead.models.base import (
-    Completion, GenerationRequest, LanguageModel, TokenScore, encode_prompt, observed, prompt_text, render_chat,
+    Completion, GenerationRequest, LanguageModel, TokenLogprob, TokenScore, encode_prompt, observed, prompt_text,
+    render_chat,
     render_plain, resolve_tokenizer,
 )
 from thinkahead.models.http import DEFAULT_CALL_TIMEOUT_S, HttpClient, ModelServerError, bearer_headers
@@ -170,6 +171,40 @@ class SGLangModel(LanguageModel):
     async def continuation_logprobs(self, prompt: str, continuation: str) -> list[float]:
         meta, _ = await self._score_continuation(prompt, continuation, top=False)
         return [self._logprob_entry(e, need_text=False)[0] for e in meta["input_token_logprobs"]]
+
+    async def token_logprobs(self, token_ids: list[int], start: int, top_k: int = 0) -> list[TokenLogprob]:
+        """Each of `token_ids[start:]` scored after the ones before it, with its `top_k` likeliest alternatives: one
+        prefill on `/generate` (`input_token_logprobs`, `input_top_logprobs` from `logprob_start_len`)."""
+        ids = list(token_ids)
+        if not 0 < start < len(ids) or not all(_is_int(t) for t in ids) or top_k < 0:
+            raise ValueError(f"scoring needs token ids, 0 < start < len(token_ids) and top_k >= 0, got {start}, {top_k}")
+        payload = {
+            **self.extra_body,
+            "input_ids": ids,
+            "sampling_params": {**self.sampling_extra, "max_new_tokens": 1, "temperature": 0.0},
+            "return_logprob": True,
+            "logprob_start_len": start,
+            "return_text_in_logprobs": True,
+            **({"top_logprobs_num": top_k} if top_k else {}),
+        }
+        meta = _meta(await self.client.post_json("/generate", payload))
+        entries, tops = meta.get("input_token_logprobs"), meta.get("input_top_logprobs") if top_k else None
+        if not isinstance(entries, list) or len(entries) != len(ids) - start or \
+                (top_k and (not isinstance(tops, list) or len(tops) != len(entries))):
+            raise ModelServerError(f"/generate reply does not score the {len(ids) - start} tokens from {start}"
+                                   f"{' with their top alternatives' if top_k else ''}")
+        out = []
+        for i, entry in enumerate(entries):
+            logprob, text = self._logprob_entry(entry)
+            top: list[tuple[int, str, float]] = []
+            for alt in (tops[i] or []) if top_k else []:
+                alt_logprob, alt_text = self._logprob_entry(alt)
+                if not _is_int(alt[1]):
+                    raise ModelServerError(f"input_top_logprobs entry {alt!r} has no token id"[:300])
+                top.append((alt[1], alt_text, alt_logprob))
+            top.sort(key=lambda alt: -alt[2])
+            out.append(TokenLogprob(ids[start + i], text, logprob, top[:top_k]))
+        return out
 
     async def continuation_scores(self, prompt: str, continuation: str) -> list[TokenScore]:
         meta, count = await self._score_continuation(prompt, continuation, top=True)
