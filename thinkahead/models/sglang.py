@@ -169,7 +169,7 @@ class SGLangModel(LanguageModel):
         return dict(sorted(out.items(), key=lambda kv: -kv[1])[:top_k])
 
     async def continuation_logprobs(self, prompt: str, continuation: str) -> list[float]:
-        meta, _ = await self._score_continuation(prompt, continuation, top=False)
+        meta = await self._score_continuation(prompt, continuation, top=False)
         return [self._logprob_entry(e, need_text=False)[0] for e in meta["input_token_logprobs"]]
 
     async def token_logprobs(self, token_ids: list[int], start: int, top_k: int = 0) -> list[TokenLogprob]:
@@ -178,26 +178,13 @@ class SGLangModel(LanguageModel):
         ids = list(token_ids)
         if not 0 < start < len(ids) or not all(_is_int(t) for t in ids) or top_k < 0:
             raise ValueError(f"scoring needs token ids, 0 < start < len(token_ids) and top_k >= 0, got {start}, {top_k}")
-        payload = {
-            **self.extra_body,
-            "input_ids": ids,
-            "sampling_params": {**self.sampling_extra, "max_new_tokens": 1, "temperature": 0.0},
-            "return_logprob": True,
-            "logprob_start_len": start,
-            "return_text_in_logprobs": True,
-            **({"top_logprobs_num": top_k} if top_k else {}),
-        }
-        meta = _meta(await self.client.post_json("/generate", payload))
-        entries, tops = meta.get("input_token_logprobs"), meta.get("input_top_logprobs") if top_k else None
-        if not isinstance(entries, list) or len(entries) != len(ids) - start or \
-                (top_k and (not isinstance(tops, list) or len(tops) != len(entries))):
-            raise ModelServerError(f"/generate reply does not score the {len(ids) - start} tokens from {start}"
-                                   f"{' with their top alternatives' if top_k else ''}")
+        meta = await self._prefill_logprobs(ids, start, top_k, text=True)
+        tops = meta.get("input_top_logprobs") if top_k else None
         out = []
-        for i, entry in enumerate(entries):
+        for i, entry in enumerate(meta["input_token_logprobs"]):
             logprob, text = self._logprob_entry(entry)
             top: list[tuple[int, str, float]] = []
-            for alt in (tops[i] or []) if top_k else []:
+            for alt in (tops[i] or []) if tops is not None else []:
                 alt_logprob, alt_text = self._logprob_entry(alt)
                 if not _is_int(alt[1]):
                     raise ModelServerError(f"input_top_logprobs entry {alt!r} has no token id"[:300])
@@ -207,18 +194,15 @@ class SGLangModel(LanguageModel):
         return out
 
     async def continuation_scores(self, prompt: str, continuation: str) -> list[TokenScore]:
-        meta, count = await self._score_continuation(prompt, continuation, top=True)
-        tops = meta.get("input_top_logprobs")
-        if not isinstance(tops, list) or len(tops) != count:
-            raise ModelServerError(f"/generate reply has no input_top_logprobs for the {count} scored tokens")
+        meta = await self._score_continuation(prompt, continuation, top=True)
         out = []
-        for entry, row in zip(meta["input_token_logprobs"], tops):
+        for entry, row in zip(meta["input_token_logprobs"], meta["input_top_logprobs"]):
             logprob, text = self._logprob_entry(entry)
             best, best_text = max((self._logprob_entry(e) for e in row or []), default=(logprob, text))
             out.append(TokenScore(text, logprob, max(logprob, best), text if logprob >= best else best_text))
         return out
 
-    async def _score_continuation(self, prompt: str, continuation: str, top: bool) -> tuple[dict[str, Any], int]:
+    async def _score_continuation(self, prompt: str, continuation: str, top: bool) -> dict[str, Any]:
         """One prefill of prompt + continuation with input logprobs from the continuation on."""
         from thinkahead.token_spec.names import common_prefix_len
 
@@ -229,23 +213,29 @@ class SGLangModel(LanguageModel):
         start = common_prefix_len(prompt_ids, ids)  # the boundary token may merge across the two
         if start == 0 or start >= len(ids):
             raise ValueError("scoring a continuation needs a non-empty prompt and continuation")
+        return await self._prefill_logprobs(ids, start, 1 if top else 0, text=top)
+
+    async def _prefill_logprobs(self, ids: list[int], start: int, top_k: int, text: bool) -> dict[str, Any]:
+        """`meta_info` of one `/generate` prefill of `ids` scoring each token from `start` on (with its `top_k`
+        alternatives, and the tokens' texts where `text`), checked to hold a score (and a top row) for each."""
         payload = {
             **self.extra_body,
             "input_ids": ids,
             "sampling_params": {**self.sampling_extra, "max_new_tokens": 1, "temperature": 0.0},
             "return_logprob": True,
             "logprob_start_len": start,
+            **({"top_logprobs_num": top_k} if top_k else {}),
+            **({"return_text_in_logprobs": True} if text else {}),
         }
-        if top:
-            payload.update(top_logprobs_num=1, return_text_in_logprobs=True)
         meta = _meta(await self.client.post_json("/generate", payload))
-        entries = meta.get("input_token_logprobs")
-        if not isinstance(entries, list) or len(entries) != len(ids) - start:
-            raise ModelServerError(
-                f"/generate reply has {len(entries) if isinstance(entries, list) else 'no'} input_token_logprobs,"
-                f" expected {len(ids) - start}"
-            )
-        return meta, len(ids) - start
+        entries, count = meta.get("input_token_logprobs"), len(ids) - start
+        if not isinstance(entries, list) or len(entries) != count:
+            raise ModelServerError(f"/generate reply has {len(entries) if isinstance(entries, list) else 'no'} "
+                                   f"input_token_logprobs, expected {count}")
+        tops = meta.get("input_top_logprobs")
+        if top_k and (not isinstance(tops, list) or len(tops) != count):
+            raise ModelServerError(f"/generate reply has no input_top_logprobs for the {count} scored tokens")
+        return meta
 
     def render(self, messages: list[dict[str, str]], continue_final: bool = False) -> str:
         if self.tokenizer is not None:
