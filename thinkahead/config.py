@@ -28,7 +28,7 @@ from thinkahead.orchestrator.budget import RetryPolicy, RunBudget
 from thinkahead.step_spec.loop import StepBudget
 from thinkahead.step_spec.policies import PolicySettings
 from thinkahead.step_spec.segment import SegmentConfig
-from thinkahead.models.engine_config import ENGINE_SETTINGS, EngineConfig
+from thinkahead.models.engine_config import ENGINE_SETTINGS, EngineConfig, scheduler_conflicts
 from thinkahead.models.loader import REMOTE_PREFIXES
 from thinkahead.token_spec.names import MODEL_DRAFT_KINDS
 
@@ -173,8 +173,7 @@ class OrchestratorConfig(BaseModel, extra="forbid"):
         if self.large.drafter in MODEL_DRAFT_KINDS and self.small.spec.startswith(REMOTE_PREFIXES):
             raise ValueError(f"large.drafter {self.large.drafter!r} drafts with the small model, which must be local "
                              f"(got {self.small.spec})")
-        unlike = [f"{key} {getattr(self.large, key)} against {getattr(self.small, key)}"
-                  for key in ("max_batch_rows", "prefill_chunk") if getattr(self.large, key) != getattr(self.small, key)]
+        unlike = scheduler_conflicts(self.large, self.small)
         if self.large.drafter in MODEL_DRAFT_KINDS and unlike:
             raise ValueError(f"large.drafter {self.large.drafter!r} runs both models on the small one's scheduler: "
                              f"{', '.join(unlike)} cannot both hold; give both models the same")

@@ -74,3 +74,11 @@ class EngineConfig(BaseModel, extra="forbid", frozen=True):
 
 
 ENGINE_SETTINGS = tuple(EngineConfig.model_fields)  # what a remote model drops (a server runs as it was started)
+SCHEDULER_SETTINGS = ("max_batch_rows", "prefill_chunk")  # a pair that drafts together runs on one scheduler
+
+
+def scheduler_conflicts(large: EngineConfig, small: EngineConfig) -> list[str]:
+    """The scheduler settings in which a large model that drafts with `small` differs from it (they cannot both
+    hold: the small model's scheduler runs both), each as "NAME LARGE'S against SMALL'S"."""
+    return [f"{key} {getattr(large, key)} against {getattr(small, key)}"
+            for key in SCHEDULER_SETTINGS if getattr(large, key) != getattr(small, key)]

@@ -23,7 +23,7 @@ from thinkahead.models.base import (
 )
 from thinkahead.models.streaming import TextPiece, TextStream
 from thinkahead.models.templates import repair_chat_template
-from thinkahead.models.engine_config import KV_LIVE_SHARE, KV_MEMORY_SHARE, EngineConfig
+from thinkahead.models.engine_config import KV_LIVE_SHARE, KV_MEMORY_SHARE, EngineConfig, scheduler_conflicts
 from thinkahead.token_spec.batching import BatchScheduler, Lane
 from thinkahead.token_spec.engine import ForwardCall, Rounds
 from thinkahead.token_spec.grammar import GRAMMAR_KINDS, GrammarSpec, TokenGrammar
@@ -81,8 +81,7 @@ class LocalModel(LanguageModel):
         self.config = config = EngineConfig.of(engine, **settings)
         drafter = resolve_drafter(config.drafter, draft is not None)  # a model's kind without one: now
         if draft is not None and drafter in MODEL_DRAFT_KINDS:  # the draft model's scheduler runs both models
-            unlike = [f"{k} {getattr(config, k)} against {getattr(draft.config, k)}" for k in ("max_batch_rows",
-                      "prefill_chunk") if getattr(config, k) != getattr(draft.config, k)]
+            unlike = scheduler_conflicts(config, draft.config)
             if unlike:
                 raise ValueError(f"{name or spec or 'the model'} drafts with {draft.name} and shares its scheduler: "
                                  f"{', '.join(unlike)} cannot both hold; give both models the same")
