@@ -72,7 +72,7 @@ int64_t block_bytes(int type) {
     }
 }
 
-struct alignas(32) Q8K {  // x per 256 values (aligned: the kernel's 32-byte loads never straddle a line)
+struct alignas(64) Q8K {  // x per 256 values (aligned: the kernel's 32- and 64-byte loads never straddle a line)
     int8_t qs[QK_K];           // in the kernel layout (kquant_layout.inc)
     int16_t bsums[QK_K / 16];  // sums of 16 codes: groups 0, 2, .., 14, then 1, 3, .., 15
     float d;
@@ -84,6 +84,7 @@ struct alignas(32) Q8B {  // x per 32 values: the codes (the scales in an array 
 
 #include "kquant_layout.inc"
 #include "kquant_rows.inc"
+#include "kquant_zmm_probe.inc"
 
 // ---- activation quantization (scalar: a few thousand values per row, next to megabytes of weights) --
 
@@ -141,9 +142,10 @@ struct Part {
     int64_t offset;     // first output column
 };
 
-enum Isa : int { AVX2 = 0, AVX_VNNI = 1, AVX512_VNNI = 2 };  // builds of the dot products, by preference
-constexpr int64_t rows_per_pass(int isa) { return isa == AVX512_VNNI ? MAX_MR : 4; }  // see MAX_MR
-const char* const ISA_NAMES[] = {"avx2", "avxvnni", "avx512vnni"};
+// Builds of the dot products, by preference (AVX512_ZMM where this CPU's 512-bit multiplies pay: zmm_pays).
+enum Isa : int { AVX2 = 0, AVX_VNNI = 1, AVX512_VNNI = 2, AVX512_ZMM = 3 };
+constexpr int64_t rows_per_pass(int isa) { return isa >= AVX512_VNNI ? MAX_MR : 4; }  // see MAX_MR
+const char* const ISA_NAMES[] = {"avx2", "avxvnni", "avx512vnni", "avx512vnni-zmm"};
 
 struct Job {
     std::vector<Part> parts;
@@ -181,7 +183,8 @@ namespace isa_vnni {
 #pragma GCC pop_options
 }  // namespace isa_vnni
 
-namespace isa_avx512 {  // 256-bit vectors (512-bit multiplies issue on one port here), EVEX's 32 registers
+#define KQ_ZMM 0
+namespace isa_avx512 {  // 256-bit vectors (512-bit multiplies issue on one port on some CPUs), EVEX's 32 registers
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")
 #define KQ_VNNI 2
@@ -192,10 +195,28 @@ namespace isa_avx512 {  // 256-bit vectors (512-bit multiplies issue on one port
 #undef KQ_VNNI
 #pragma GCC pop_options
 }  // namespace isa_avx512
+#undef KQ_ZMM
+
+namespace isa_zmm {  // isa_avx512 with the Q4_K/Q6_K products in 512-bit vectors (its tiles are isa_avx512's)
+#pragma GCC push_options
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // GCC 12's own _mm512_undefined_* in its 512-bit headers
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")
+#define KQ_VNNI 2
+#define KQ_ZMM 1
+#include "kquant_dots.inc"
+#undef KQ_DPBUSD
+#undef KQ_DPWSSD
+#undef KQ_ZMM
+#undef KQ_VNNI
+#pragma GCC diagnostic pop
+#pragma GCC pop_options
+}  // namespace isa_zmm
 
 template <int MR>
 void dot_rows(const Part& part, const uint8_t* w, const Job& job, int64_t m, float* res) {
     switch (job.isa) {
+        case AVX512_ZMM: isa_zmm::dot_rows<MR>(part, w, job, m, res); break;
         case AVX512_VNNI: isa_avx512::dot_rows<MR>(part, w, job, m, res); break;
         case AVX_VNNI: isa_vnni::dot_rows<MR>(part, w, job, m, res); break;
         default: isa_avx2::dot_rows<MR>(part, w, job, m, res); break;
@@ -204,7 +225,7 @@ void dot_rows(const Part& part, const uint8_t* w, const Job& job, int64_t m, flo
 
 template <int TYPE>
 void tiled_rows(const Part& part, const Job& job, int64_t first, int64_t last, int64_t row_bytes) {
-    if (job.isa == AVX512_VNNI) isa_avx512::tiled_rows<TYPE>(part, job, first, last, row_bytes);
+    if (job.isa >= AVX512_VNNI) isa_avx512::tiled_rows<TYPE>(part, job, first, last, row_bytes);
     else isa_vnni::tiled_rows<TYPE>(part, job, first, last, row_bytes);
 }
 
@@ -254,16 +275,19 @@ void run_chunk(const void* ctx, int64_t chunk) {
 
 bool isa_supported(int which) {
     __builtin_cpu_init();
-    if (which == AVX512_VNNI)
+    if (which == AVX512_VNNI || which == AVX512_ZMM)
         return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
                __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
     return which == AVX2 || (which == AVX_VNNI && __builtin_cpu_supports("avxvnni"));
 }
 
 int best_isa() {
-    for (int which = AVX512_VNNI; which > AVX2; --which)
-        if (isa_supported(which)) return which;
-    return AVX2;
+    static const int best = [] {
+        for (int which = AVX512_VNNI; which > AVX2; --which)
+            if (isa_supported(which)) return which == AVX512_VNNI && zmm_pays() ? AVX512_ZMM : which;
+        return static_cast<int>(AVX2);
+    }();
+    return best;
 }
 
 std::atomic<int> chosen_isa{-1};  // -1: the best this CPU runs; set_isa (tests, benches)
@@ -284,13 +308,13 @@ int current_isa() {
 std::string isa() { return ISA_NAMES[current_isa()]; }
 
 void set_isa(const std::string& name) {
-    for (int which = AVX2; which <= AVX512_VNNI; ++which) {
+    for (int which = AVX2; which <= AVX512_ZMM; ++which) {
         if (name != ISA_NAMES[which]) continue;
         if (!isa_supported(which)) throw std::invalid_argument("isa: this CPU lacks " + name);
         chosen_isa.store(which);
         return;
     }
-    throw std::invalid_argument("isa: avx2, avxvnni or avx512vnni");
+    throw std::invalid_argument("isa: avx2, avxvnni, avx512vnni or avx512vnni-zmm");
 }
 
 // out[M, N] = x[M, K] @ W.T (+ bias) for a linear stored in parts: part p holds output columns
@@ -450,11 +474,14 @@ PYBIND11_MODULE(_kquant_native, m) {
         if (rows < TILE_FROM_AUTO) throw std::invalid_argument("set_tile_from: rows >= 0 (0: never), or -1 (by the ISA)");
         tile_from.store(rows);
     }, py::arg("rows"), "rows of x from which K-quant parts run in tiles of 8 (the same results; for tests and benches)");
-    m.def("isa", &isa, "which build of the dot products runs: the best of avx512vnni, avxvnni, avx2 the CPU has");
-    m.def("set_isa", &set_isa, py::arg("name"), "avx2, avxvnni or avx512vnni (the same results; for tests and benches)");
+    m.def("isa", &isa, "which build of the dot products runs: the best of avx512vnni(-zmm), avxvnni, avx2 the CPU has");
+    m.def("set_isa", &set_isa, py::arg("name"),
+          "avx2, avxvnni, avx512vnni or avx512vnni-zmm (the same results; for tests and benches)");
+    m.def("zmm_pays", [] { return isa_supported(AVX512_ZMM) && zmm_pays(); },
+          "whether 512-bit multiplies pay on this CPU (measured; the avx512vnni-zmm build is then the default)");
     m.def("isas", [] {
         py::list names;
-        for (int which = AVX2; which <= AVX512_VNNI; ++which)
+        for (int which = AVX2; which <= AVX512_ZMM; ++which)
             if (isa_supported(which)) names.append(ISA_NAMES[which]);
         return names;
     }, "the builds of the dot products this CPU runs");
