@@ -20,11 +20,13 @@ sub-block's sum in its own vector lane; Q4_0/Q5_0/Q8_0 blocks regrouped by 8 wit
 convert in one instruction. `kernel_layout` does it, in place where the caller owns the bytes. Embedding
 tables keep the file's layout.
 
-ISA: the dot products are compiled three times (native/kquant_dots.inc): AVX2, AVX-VNNI and AVX-512 VNNI
-(256-bit vectors with EVEX's 32 registers: tiles of 8 weight rows instead of 4), whose multiply-adds give
-the same integers in the same lanes: the same bits either way (`set_isa`, `isas` in tests). The best the
-CPU has runs; tiles need one of the VNNI builds (AVX-512 VNNI alone, as on Ice Lake and Cascade Lake
-servers, is enough).
+ISA: the dot products are compiled four times (native/kquant_dots.inc): AVX2, AVX-VNNI, AVX-512 VNNI
+(256-bit vectors with EVEX's 32 registers: tiles of 8 weight rows instead of 4) and AVX-512 VNNI in 512-bit
+vectors (`avx512vnni-zmm`: half the multiplies, tiles of 16 rows of x), whose multiply-adds give the same
+integers in the same lanes: the same bits either way (`set_isa`, `isas` in tests). The best the CPU has
+runs; the 512-bit build only where a one-off probe measures 512-bit multiplies paying (`zmm_pays`: AMD Zen 5
+yes; CPUs that split or fuse them, as Zen 4 and many Intel cores, keep 256-bit vectors). Tiles need one of
+the VNNI builds (AVX-512 VNNI alone, as on Ice Lake and Cascade Lake servers, is enough).
 
 Block types: Q4_K and Q6_K (256 values per block; Q4_K_M files), Q5_0 and Q8_0 (32 values; the
 0.5B's Q4_K_M file uses them where rows are not a multiple of 256), Q4_0 (32 values; Q4_0 files). Any other type is refused by

@@ -86,51 +86,7 @@ struct alignas(32) Q8B {  // x per 32 values: the codes (the scales in an array 
 #include "kquant_rows.inc"
 #include "kquant_zmm_probe.inc"
 
-// ---- activation quantization (scalar: a few thousand values per row, next to megabytes of weights) --
-
-void quantize_q8k(const float* x, int64_t K, Q8K* out) {
-    for (int64_t b = 0; b < K / QK_K; ++b) {
-        const float* v = x + b * QK_K;
-        Q8K& q = out[b];
-        float amax = 0.0f, mx = 0.0f;
-        bool nan = false;
-        for (int64_t j = 0; j < QK_K; ++j) {
-            nan |= std::isnan(v[j]);
-            const float a = std::fabs(v[j]);
-            if (a > amax) { amax = a; mx = v[j]; }
-        }
-        // NaN anywhere makes the block's outputs NaN, as a float matmul would; a block too small for
-        // -127 / max to be finite counts as zeros
-        if (nan || amax < 127.0f / std::numeric_limits<float>::max()) {
-            q.d = nan ? std::numeric_limits<float>::quiet_NaN() : 0.0f;
-            std::memset(q.qs, 0, sizeof(q.qs));
-            std::memset(q.bsums, 0, sizeof(q.bsums));
-            continue;
-        }
-        const float iscale = -127.0f / mx;
-        int8_t codes[QK_K];
-        for (int64_t j = 0; j < QK_K; ++j) codes[j] = static_cast<int8_t>(std::min(127.0f, std::nearbyint(iscale * v[j])));
-        permute_q8k(codes, q.qs, q.bsums);
-        q.d = 1.0f / iscale;
-    }
-}
-
-void quantize_q8b(const float* x, int64_t K, Q8B* out, float* scales) {
-    for (int64_t b = 0; b < K / QK; ++b) {
-        const float* v = x + b * QK;
-        Q8B& q = out[b];
-        float amax = 0.0f;
-        bool nan = false;
-        for (int64_t j = 0; j < QK; ++j) {
-            nan |= std::isnan(v[j]);
-            amax = std::max(amax, std::fabs(v[j]));
-        }
-        const float d = amax < 127.0f / std::numeric_limits<float>::max() ? 0.0f : amax / 127.0f;
-        const float id = d != 0.0f && std::isfinite(1.0f / d) ? 1.0f / d : 0.0f;
-        for (int64_t j = 0; j < QK; ++j) q.qs[j] = nan ? 0 : static_cast<int8_t>(std::nearbyint(v[j] * id));
-        scales[b] = nan ? std::numeric_limits<float>::quiet_NaN() : d;
-    }
-}
+#include "kquant_quantize.inc"
 
 // ---- the parallel loop over output channels -------------------------------------------------------
 
@@ -145,6 +101,7 @@ struct Part {
 // Builds of the dot products, by preference (AVX512_ZMM where this CPU's 512-bit multiplies pay: zmm_pays).
 enum Isa : int { AVX2 = 0, AVX_VNNI = 1, AVX512_VNNI = 2, AVX512_ZMM = 3 };
 constexpr int64_t rows_per_pass(int isa) { return isa >= AVX512_VNNI ? MAX_MR : 4; }  // see MAX_MR
+constexpr int64_t tile_width(int isa) { return isa == AVX512_ZMM ? TILE16 : TILE; }  // rows of x per tile
 const char* const ISA_NAMES[] = {"avx2", "avxvnni", "avx512vnni", "avx512vnni-zmm"};
 
 struct Job {
@@ -156,7 +113,7 @@ struct Job {
     const float* xbd = nullptr;  // [M, K / 32 + GROUP]: xb's scales (a row's last group may read past its end)
     float* out = nullptr;     // [M, N]
     int isa = AVX2;           // which build of the dot products runs (the same results; fewer instructions)
-    const XTile* xt = nullptr;  // x's first `tiled` rows in tiles [ceil(tiled / 8)][K / 256] (kquant_layout.inc)
+    const void* xt = nullptr;   // x's first `tiled` rows in XTileW<tile_width(isa)> [ceil(tiled / width)][K / 256]
     int64_t tiled = 0;        // rows of x the K-quant parts compute in tiles (the last may be partial; 0: none)
 };
 
@@ -205,6 +162,7 @@ namespace isa_zmm {  // isa_avx512 with the Q4_K/Q6_K products in 512-bit vector
 #define KQ_VNNI 2
 #define KQ_ZMM 1
 #include "kquant_dots.inc"
+#include "kquant_tiles.inc"
 #undef KQ_DPBUSD
 #undef KQ_DPWSSD
 #undef KQ_ZMM
@@ -225,7 +183,8 @@ void dot_rows(const Part& part, const uint8_t* w, const Job& job, int64_t m, flo
 
 template <int TYPE>
 void tiled_rows(const Part& part, const Job& job, int64_t first, int64_t last, int64_t row_bytes) {
-    if (job.isa >= AVX512_VNNI) isa_avx512::tiled_rows<TYPE>(part, job, first, last, row_bytes);
+    if (job.isa == AVX512_ZMM) isa_zmm::tiled_rows<TYPE>(part, job, first, last, row_bytes);
+    else if (job.isa == AVX512_VNNI) isa_avx512::tiled_rows<TYPE>(part, job, first, last, row_bytes);
     else isa_vnni::tiled_rows<TYPE>(part, job, first, last, row_bytes);
 }
 
@@ -294,8 +253,10 @@ std::atomic<int> chosen_isa{-1};  // -1: the best this CPU runs; set_isa (tests,
 // Rows of x from which the K-quant parts run in tiles of 8 (the same bits as row by row). Below them the
 // row-by-row path is as fast or faster: passes of 4 rows (AVX-VNNI) up to 16 rows (1.5B layers: tiles
 // 1.0-1.3x its time at 8-12 rows, 0.85-1.02x at 16, 0.7x at 64), passes of 8 (AVX-512) up to 24 (1.5B
-// verify: tiles 1.08x the time at 16-20 rows, 0.98x at 24, 0.87x at 33, 0.79x at 48-65).
-constexpr int64_t TILE_FROM_ROWS_4 = 16, TILE_FROM_ROWS_8 = 24;
+// verify: tiles 1.08x the time at 16-20 rows, 0.98x at 24, 0.87x at 33, 0.79x at 48-65); tiles of 16 rows
+// (AVX512_ZMM, AMD Zen 5, the 1.5B's layers) from 16 rows: 0.96x the time of passes of 8 at 16 rows, 0.91x at
+// 24, 0.56x at 32, 0.51x at 64, 0.44x at 128.
+constexpr int64_t TILE_FROM_ROWS_4 = 16, TILE_FROM_ROWS_8 = 24, TILE_FROM_ROWS_16 = 16;
 constexpr int64_t TILE_FROM_AUTO = -1;
 std::atomic<int64_t> tile_from{TILE_FROM_AUTO};  // set_tile_from (tests, benches); 0: never; -1: by the ISA
 constexpr int64_t TILE_PARTIAL_ROWS = 5;  // 1.5B verify of 20 rows: 4 in a partial tile 1.03x slower, 21: 5 in one 0.95x
@@ -356,15 +317,27 @@ void linear_parts(const float* xf, int64_t M, int64_t K, const int* types, const
         for (int64_t m = 0; m < M; ++m) quantize_q8k(xf + m * K, K, xk.data() + m * (K / QK_K));
         job.xk = xk.data();
         const int64_t set = tile_from.load();
-        const int64_t from = set != TILE_FROM_AUTO ? set : rows_per_pass(job.isa) == 8 ? TILE_FROM_ROWS_8 : TILE_FROM_ROWS_4;
-        if (job.isa != AVX2 && from > 0 && M >= from && M >= TILE) {
-            // Rows left over past the last full tile: a partial tile from TILE_PARTIAL_ROWS of them on,
-            // else row by row (a row costs about a quarter of a tile's instructions).
-            job.tiled = M % TILE >= TILE_PARTIAL_ROWS ? M : M / TILE * TILE;
-            thread_local std::vector<XTile> xt;
-            xt.resize(static_cast<size_t>((job.tiled + TILE - 1) / TILE * (K / QK_K)));
-            make_tiles(xk.data(), job.tiled, K / QK_K, xt.data());
-            job.xt = xt.data();
+        const int64_t from = set != TILE_FROM_AUTO         ? set
+                             : tile_width(job.isa) == TILE16 ? TILE_FROM_ROWS_16
+                             : rows_per_pass(job.isa) == 8   ? TILE_FROM_ROWS_8
+                                                             : TILE_FROM_ROWS_4;
+        const int64_t width = tile_width(job.isa);
+        if (job.isa != AVX2 && from > 0 && M >= from && M >= width) {
+            // Rows left over past the last full tile: a partial tile from a share of a tile on (see
+            // TILE_PARTIAL_ROWS), else row by row (a row costs about a quarter of a tile's instructions).
+            job.tiled = M % width * TILE >= TILE_PARTIAL_ROWS * width ? M : M / width * width;
+            const auto tiles = static_cast<size_t>((job.tiled + width - 1) / width * (K / QK_K));
+            if (width == TILE16) {
+                thread_local std::vector<XTileW<TILE16>> xt;
+                xt.resize(tiles);
+                make_tiles(xk.data(), job.tiled, K / QK_K, xt.data());
+                job.xt = xt.data();
+            } else {
+                thread_local std::vector<XTileW<TILE>> xt;
+                xt.resize(tiles);
+                make_tiles(xk.data(), job.tiled, K / QK_K, xt.data());
+                job.xt = xt.data();
+            }
         }
     }
     if (need_b) {
