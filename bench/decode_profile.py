@@ -67,7 +67,15 @@ def cpu_flags() -> str:
     except OSError:
         return "unknown"
     wanted = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16")
-    return " ".join(f for f in wanted if f in flags) or "none of " + ", ".join(wanted)
+    named = " ".join(f for f in wanted if f in flags) or "none of " + ", ".join(wanted)
+    return f"{named}, GGUF kernels {gguf_kernels()}"
+
+
+def gguf_kernels() -> str:
+    """Which build of the GGUF dot products runs here (kquant.py: the 512-bit one only where it pays)."""
+    from thinkahead.models import kquant
+
+    return "unavailable" if kquant.unavailable_reason() else kquant.kernel().isa()
 
 
 def save_result(out: Path, result: dict, markdown, load_before: tuple[float, float, float]) -> None:
