@@ -2,14 +2,14 @@
 
 - The suffix tree (token_spec/native/: suffix_tree.hpp and its .cpp files): where it cannot be
   built the pure-Python tree is used (with one warning, see token_spec/suffix_impl.py).
-- The AVX2 int8 linear (thinkahead/models/native/int8_linear.cpp): where it cannot be built, or the
-  CPU lacks AVX2/FMA, int8 models use fbgemm's kernels (see thinkahead/models/int8_kernel.py). Its
+- The AVX2 int8 linear (thinkahead/models/engine/kernels/native/int8_linear.cpp): where it cannot be built, or the
+  CPU lacks AVX2/FMA, int8 models use fbgemm's kernels (see thinkahead/models/engine/kernels/int8_kernel.py). Its
   AVX2 code is compiled per function (target attributes), so the module imports on any x86-64.
 
-- Linears on a GGUF file's own quantized blocks (thinkahead/models/native/kquant_linear.cpp): where
-  it cannot be built, dtype "gguf" is refused by name (see thinkahead/models/kquant.py).
-- The row-wise ops of a Qwen2 decoder layer (thinkahead/models/native/layer_ops.cpp): where it cannot
-  be built, fused Qwen2 models run those ops in torch (see thinkahead/models/layer_ops.py).
+- Linears on a GGUF file's own quantized blocks (thinkahead/models/engine/kernels/native/kquant_linear.cpp): where
+  it cannot be built, dtype "gguf" is refused by name (see thinkahead/models/engine/kernels/kquant.py).
+- The row-wise ops of a Qwen2 decoder layer (thinkahead/models/engine/kernels/native/layer_ops.cpp): where it cannot
+  be built, fused Qwen2 models run those ops in torch (see thinkahead/models/engine/kernels/layer_ops.py).
 
 All four are `optional`: the package installs without them.
 """
@@ -21,16 +21,16 @@ from setuptools import setup
 # rounds, the Python module.
 NATIVE_SOURCES = ("tree", "eviction", "drafting", "combined", "replay", "bindings")
 
-NATIVE_MODELS = "thinkahead/models/native"
+NATIVE_MODELS = "thinkahead/models/engine/kernels/native"
 
 
 def models_extension(name: str, source: str, *headers: str) -> Pybind11Extension:
-    """A kernel of thinkahead.models: its threads come from parallel.hpp (which dlopens torch's libgomp:
+    """A kernel of the local engine (thinkahead.models.engine.kernels): its threads come from parallel.hpp (which dlopens torch's libgomp:
     libc has dlopen from glibc 2.34, older ones need libdl). Every multiply and add rounds on its own (no
     contraction to FMA beyond a kernel's explicit ones): rows must not depend on the batch, and the int8
     linear must give fbgemm's bits."""
     return Pybind11Extension(
-        f"thinkahead.models.{name}",
+        f"thinkahead.models.engine.kernels.{name}",
         [f"{NATIVE_MODELS}/{source}"],
         depends=[f"{NATIVE_MODELS}/{h}" for h in ("parallel.hpp", *headers)],
         cxx_std=17,

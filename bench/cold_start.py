@@ -1,7 +1,7 @@
 """Start-up time of the default models: the first load (convert and cache) and later ones (weight cache).
 
 Each measurement is one fresh Python process that imports thinkahead and loads the models, as
-`time python -c "from thinkahead.models.weights import load_causal_lm; load_causal_lm(...); ..."`
+`time python -c "from thinkahead.models.engine.weights.load import load_causal_lm; load_causal_lm(...); ..."`
 would: interpreter start, imports, loading. `cold` deletes the models' weight-cache entries first
 (the first start after installing), `warm` runs use the entries `cold` wrote, `nocache` converts
 with the cache switched off (the behaviour before the cache). Also measured: the sha256 check of
@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from thinkahead.models.registry import REGISTRY, prepared_path
-from thinkahead.models.weight_cache import ENV_SWITCH, MODEL_FILE, hash_file
-from thinkahead.models.weights import DTYPES, is_weight_cached, weight_cache_entry
+from thinkahead.models.engine.weights.cache import ENV_SWITCH, MODEL_FILE, hash_file
+from thinkahead.models.engine.weights.load import DTYPES, is_weight_cached, weight_cache_entry
 
 RESULTS = Path(__file__).parent / "results"
 DEFAULT_MODELS = "qwen2.5-coder-0.5b,qwen2.5-coder-1.5b"
@@ -40,7 +40,7 @@ FLAG_PREFIXES = ("avx", "sha_ni", "amx", "fma", "f16c", "vnni")
 CHILD = """
 import json, sys, time
 t0 = time.perf_counter()
-from thinkahead.models.weights import is_weight_cached, load_causal_lm
+from thinkahead.models.engine.weights.load import is_weight_cached, load_causal_lm
 rows = []
 for spec in sys.argv[2:]:
     hit = is_weight_cached(spec, sys.argv[1])

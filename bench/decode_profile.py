@@ -35,8 +35,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from offline_data import gsm8k  # noqa: E402
 
-from thinkahead.models.weights import DTYPES, load_causal_lm  # noqa: E402
-from thinkahead.token_spec.backends.hf import HFEngine  # noqa: E402
+from thinkahead.models.engine.weights.load import DTYPES, load_causal_lm  # noqa: E402
+from thinkahead.models.engine.runner import HFEngine  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 KINDS = (  # (kind, substrings of a profiler op name), first match wins
@@ -73,7 +73,7 @@ def cpu_flags() -> str:
 
 def gguf_kernels() -> str:
     """Which build of the GGUF dot products runs here (kquant.py: the 512-bit one only where it pays)."""
-    from thinkahead.models import kquant
+    from thinkahead.models.engine.kernels import kquant
 
     return "unavailable" if kquant.unavailable_reason() else kquant.kernel().isa()
 
@@ -95,7 +95,7 @@ NATIVE_KERNELS = "native linears (ours: gguf / int8 kernels, timed around each c
 def timed_native_kernels(spent: list[float]):
     """Add the wall time of every call of our native linear kernels to spent[0] (the profiler sees no torch
     op inside them: without this they would count as time outside torch ops)."""
-    from thinkahead.models import int8_kernel, kquant
+    from thinkahead.models.engine.kernels import int8_kernel, kquant
 
     def timing(fn):
         def wrapper(*args, **kwargs):

@@ -27,10 +27,10 @@ os.environ.setdefault("THINKAHEAD_INT8_KERNEL", "fbgemm")  # this bench times fb
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from offline_data import gsm8k
-from thinkahead.token_spec.backends.hf import HFEngine
+from thinkahead.models.engine.runner import HFEngine
 
-from thinkahead.models.quantize import RowwiseInt8Linear
-from thinkahead.models.weights import load_causal_lm
+from thinkahead.models.engine.kernels.quantize import RowwiseInt8Linear
+from thinkahead.models.engine.weights.load import load_causal_lm
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

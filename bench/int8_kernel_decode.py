@@ -28,8 +28,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from int8_kernel_micro import cpu_flags
 
-from thinkahead.models import int8_kernel
-from thinkahead.models.quantize import (
+from thinkahead.models.engine.kernels import int8_kernel
+from thinkahead.models.engine.kernels.quantize import (
     X_SCALE,
     X_ZERO_POINT,
     RowwiseInt8Linear,
@@ -44,7 +44,7 @@ PROMPT = ("Natalia sold clips to 48 of her friends in April, and then she sold h
 def load(label: str) -> tuple[Any, Any]:
     """The newest weight-cache entry of `label` (whatever its key), rebuilt as the loader would."""
     from thinkahead.models.registry import default_cache_dir
-    from thinkahead.models.weight_rebuild import rebuild
+    from thinkahead.models.engine.weights.rebuild import rebuild
 
     entries = sorted((default_cache_dir() / "weight-cache").glob(f"{label}-int8-*"), key=lambda p: p.stat().st_mtime)
     if not entries:

@@ -27,8 +27,8 @@ from statistics import median
 
 import torch
 
-from thinkahead.models import int8_kernel
-from thinkahead.models.quantize import RowwiseInt8Linear
+from thinkahead.models.engine.kernels import int8_kernel
+from thinkahead.models.engine.kernels.quantize import RowwiseInt8Linear
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # (in x out, what it is in Qwen2.5-1.5B)

@@ -27,7 +27,7 @@ import torch
 
 os.environ.setdefault("THINKAHEAD_INT8_KERNEL", "fbgemm")  # this bench times fbgemm's packed weights
 
-from thinkahead.models.quantize import RowwiseInt8Linear
+from thinkahead.models.engine.kernels.quantize import RowwiseInt8Linear
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SHAPES = ("1536x1536", "1536x256", "1536x8960", "8960x1536", "1536x151936")

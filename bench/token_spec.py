@@ -51,8 +51,8 @@ from offline_data import gsm8k, humaneval  # noqa: E402
 
 from llama_baseline import LLAMA_METHODS, PROMPT_LOOKUP_TOKENS, LlamaRunner, llama_version  # noqa: E402
 from thinkahead.evals.report import finish_plot  # noqa: E402
-from thinkahead.models.weights import DTYPES, load_causal_lm  # noqa: E402
-from thinkahead.token_spec.backends.hf import HFEngine  # noqa: E402
+from thinkahead.models.engine.weights.load import DTYPES, load_causal_lm  # noqa: E402
+from thinkahead.models.engine.runner import HFEngine  # noqa: E402
 from thinkahead.token_spec.decoder import SpeculativeDecoder  # noqa: E402
 from thinkahead.token_spec.names import MAX_DRAFT  # noqa: E402
 from thinkahead.token_spec.prefix_pool import KVPrefixPool  # noqa: E402
@@ -350,7 +350,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="qwen2.5-coder-1.5b")
     ap.add_argument("--draft", default="qwen2.5-coder-0.5b")
-    ap.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="int8: batch-invariant int8 linears (thinkahead/models/quantize.py); gguf: the GGUF file's own blocks (kquant.py)")
+    ap.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="int8: batch-invariant int8 linears (thinkahead/models/engine/kernels/quantize.py); gguf: the GGUF file's own blocks (kquant.py)")
     ap.add_argument("--methods", default=None, help="comma-separated (default: all; llama-* only when llama-cpp-python is installed)")
     ap.add_argument("--workloads", default=",".join(ALL_WORKLOADS))
     ap.add_argument("--quick", action="store_true", help="1 item per workload, short outputs")

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from llama_baseline import INSTALL_HINT, gguf_path, llama_version  # noqa: E402
 from token_spec import cpu_features  # noqa: E402
 
-from thinkahead.models.weights import load_causal_lm  # noqa: E402
+from thinkahead.models.engine.weights.load import load_causal_lm  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

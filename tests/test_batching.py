@@ -1,4 +1,4 @@
-"""Many generations at once (token_spec/batching.py, `LocalModel`'s scheduler): each sequence's greedy tokens
+"""Many generations at once (thinkahead/models/engine/scheduler.py, `LocalModel`'s scheduler): each sequence's greedy tokens
 equal its solo plain greedy tokens whatever joins or leaves the batch and whatever its drafter; sampling stays
 exact per seed; a long prompt is prefilled in chunks; a failing or cancelled generation leaves the others alone."""
 
@@ -13,14 +13,14 @@ from concurrent.futures import Future
 import pytest
 import torch
 
-pytest.importorskip("thinkahead.models._layer_native")
-pytest.importorskip("thinkahead.models._kquant_native")
+pytest.importorskip("thinkahead.models.engine.kernels._layer_native")
+pytest.importorskip("thinkahead.models.engine.kernels._kquant_native")
 
-from thinkahead.models import gguf_native
+from thinkahead.models.engine.weights import gguf_native
 from thinkahead.models.base import GenerationRequest
 from thinkahead.models.local import LocalModel
-from thinkahead.token_spec.backends.hf import HFEngine
-from thinkahead.token_spec.batching import BatchScheduler, allocate
+from thinkahead.models.engine.runner import HFEngine
+from thinkahead.models.engine.scheduler import BatchScheduler, allocate
 from thinkahead.token_spec.decoder import plain_greedy
 from thinkahead.token_spec.presets import build_decoder
 from thinkahead.token_spec.suffix_cache import SuffixCache
@@ -222,7 +222,7 @@ def test_a_short_prompt_joining_beside_a_long_one_is_read_first_and_the_long_one
     # the long prompt joins first; read in arrival order, the short ones waited for all of it (bench/long_prompt_join.py:
     # 0.5 s to a first token alone, 4.7 s beside a 1k-token prompt); now the shortest goes first, and a prompt passed
     # over PREFILL_PATIENCE steps takes a piece
-    from thinkahead.token_spec.batching import PREFILL_PATIENCE
+    from thinkahead.models.engine.scheduler import PREFILL_PATIENCE
 
     decoder = build_decoder("none", engine)
     decoding = [prompt(s, 6) for s in range(2)]

@@ -96,7 +96,7 @@ def test_generate_runs_on_gguf_blocks(drafter, model_dir, tmp_path, monkeypatch)
     blocks and has no `.weight` (was an AttributeError before any generation)."""
     from transformers import AutoTokenizer
 
-    from thinkahead.models import gguf_native, weights
+    from thinkahead.models.engine.weights import gguf_native, load as weights
     from tests.test_gguf_native import tiny_config, write_tiny_gguf
 
     path = tmp_path / "tiny.gguf"

@@ -15,7 +15,7 @@ from thinkahead.cli.reason import reason
 from thinkahead.cli.run import run
 from thinkahead.cli.serve import serve
 from thinkahead.config import OrchestratorConfig
-from thinkahead.models.engine_config import EngineConfig
+from thinkahead.models.engine.config import EngineConfig
 from thinkahead.models.local import LocalModel
 from thinkahead.sdk import Orchestrator
 from thinkahead.step_spec.loop import StepBudget

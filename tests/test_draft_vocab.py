@@ -13,9 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from thinkahead.models import gguf_native, kquant
-from thinkahead.models.exact_attention import IMPLEMENTATION as EXACT_ATTENTION
-from thinkahead.token_spec.backends.hf import HFEngine
+from thinkahead.models.engine.weights import gguf_native
+from thinkahead.models.engine.kernels import kquant
+from thinkahead.models.engine.qwen2.exact_attention import IMPLEMENTATION as EXACT_ATTENTION
+from thinkahead.models.engine.runner import HFEngine
 from thinkahead.token_spec.controller import CostCurve, FixedController
 from thinkahead.token_spec.decoder import SpeculativeDecoder, plain_greedy
 from thinkahead.token_spec.draft_vocab import DraftVocab, output_rows

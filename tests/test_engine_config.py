@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from thinkahead.config import ENGINE_NEUTRAL, ModelConfig, OrchestratorConfig
-from thinkahead.models.engine_config import ENGINE_SETTINGS, EngineConfig
+from thinkahead.models.engine.config import ENGINE_SETTINGS, EngineConfig
 from thinkahead.models.loader import load_pair
 from thinkahead.token_spec.names import MAX_BATCH_ROWS, PREFILL_CHUNK
 

@@ -1,4 +1,4 @@
-"""Rotary position encodings from a table (thinkahead/models/exact_rotary.py): a position's cos/sin never
+"""Rotary position encodings from a table (thinkahead/models/engine/qwen2/exact_rotary.py): a position's cos/sin never
 depend on the forward's shape, order, threads or the table's growth; exact models compute no torch
 trigonometry in their forwards (torch's threaded cos/sin gave process-dependent bits); modules the table
 cannot reproduce are left as they were."""
@@ -15,11 +15,11 @@ import torch
 from transformers import Qwen2Config
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
 
-from thinkahead.models import gguf_native
-from thinkahead.models.exact_attention import use_exact_attention
-from thinkahead.models.exact_rotary import BLOCK, LIMIT, RotaryTable, use_exact_rotary
-from thinkahead.models.quantize import quantize_int8
-from thinkahead.token_spec.backends.hf import HFEngine
+from thinkahead.models.engine.weights import gguf_native
+from thinkahead.models.engine.qwen2.exact_attention import use_exact_attention
+from thinkahead.models.engine.qwen2.exact_rotary import BLOCK, LIMIT, RotaryTable, use_exact_rotary
+from thinkahead.models.engine.kernels.quantize import quantize_int8
+from thinkahead.models.engine.runner import HFEngine
 
 from tests.concurrency import run_at_once
 from tests.test_gguf_native import tiny_config, write_tiny_gguf
@@ -233,7 +233,7 @@ def test_modules_the_table_cannot_reproduce_keep_their_forward(caplog):
     model = torch.nn.Module()
     model.rotary_emb = dynamic
     model.plain = qwen_rotary()
-    with caplog.at_level("INFO", logger="thinkahead.models.exact_rotary"):
+    with caplog.at_level("INFO", logger="thinkahead.models.engine.qwen2.exact_rotary"):
         assert use_exact_rotary(model) == 1
     assert "forward" not in dynamic.__dict__ and "rotary_emb" in caplog.text
     assert isinstance(model.plain.__dict__["forward"], RotaryTable)

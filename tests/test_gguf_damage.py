@@ -1,5 +1,5 @@
 """Damaged GGUF files are refused by name: one line naming the file (and the tensor), exit 2, before any
-conversion work (thinkahead/models/gguf_check.py; issue 36 item 1).
+conversion work (thinkahead/models/engine/weights/gguf_check.py; issue 36 item 1).
 
 Each case damages the tiny Qwen2 GGUF that tests/test_gguf_native.py writes (metadata and tokenizer as
 llama.cpp writes them, so that the undamaged file runs as `gguf:PATH`), runs `thinkahead generate
@@ -25,7 +25,7 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize
 
 from thinkahead.cli import main
-from thinkahead.models import gguf_check
+from thinkahead.models.engine.weights import gguf_check
 from thinkahead.models.errors import ModelFileError
 
 from tests.test_gguf_native import write_tiny_gguf
@@ -258,7 +258,7 @@ def test_the_packaged_files_pass(tmp_path) -> None:
 def test_a_damaged_file_is_a_model_file_error_for_every_dtype(tiny, tmp_path) -> None:
     """The library refuses it too, whatever the dtype (auto used to fall back to int8 on it), before any
     conversion."""
-    from thinkahead.models.weights import load_causal_lm
+    from thinkahead.models.engine.weights.load import load_causal_lm
 
     path = tmp_path / "damaged.gguf"
     path.write_bytes(CASES["truncated at half"][0](tiny))

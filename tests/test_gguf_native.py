@@ -1,4 +1,4 @@
-"""A transformers model over a GGUF file's own blocks (thinkahead/models/gguf_native.py).
+"""A transformers model over a GGUF file's own blocks (thinkahead/models/engine/weights/gguf_native.py).
 
 A tiny Qwen2 is written as a real GGUF file (gguf's writer, mixed block types as in Q4_K_M files);
 the model built over it computes the same logits one token at a time as in one verification pass
@@ -18,8 +18,9 @@ from gguf import GGUFReader, GGUFWriter
 from gguf.quants import dequantize
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from thinkahead.models import gguf_native, huge_pages, kquant
-from thinkahead.token_spec.backends.hf import HFEngine
+from thinkahead.models.engine.weights import gguf_native, huge_pages
+from thinkahead.models.engine.kernels import kquant
+from thinkahead.models.engine.runner import HFEngine
 from thinkahead.token_spec.decoder import SpeculativeDecoder, plain_greedy
 from thinkahead.token_spec.drafters import SuffixDrafter
 from thinkahead.token_spec.suffix_cache import SuffixCache
@@ -208,7 +209,7 @@ def test_the_real_05b_speculates_exactly_and_matches_its_float_model() -> None:
     from transformers import AutoModelForCausalLM
 
     from tests.test_real_model import PROMPT, _prefilled
-    from thinkahead.models.weights import load_causal_lm
+    from thinkahead.models.engine.weights.load import load_causal_lm
 
     model, tokenizer = load_causal_lm("qwen2.5-coder-0.5b", "gguf", weight_cache=False)
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
@@ -240,7 +241,7 @@ def test_gguf_weight_cache_entries_hold_no_weights_round_trip_and_are_rebuilt(tm
     damaged entry is deleted with a warning and rebuilt, never used."""
     import logging
 
-    from thinkahead.models import weight_cache, weights
+    from thinkahead.models.engine.weights import cache as weight_cache, load as weights
     from thinkahead.models.registry import prepare
 
     spec = f"gguf:{prepare('qwen2.5-coder-0.5b')}"
@@ -260,7 +261,7 @@ def test_gguf_weight_cache_entries_hold_no_weights_round_trip_and_are_rebuilt(tm
     assert tokenizer.decode(ids[0]) == "Hello, world! What is 2"
     tok = entry / "tokenizer.json"
     tok.write_bytes(tok.read_bytes()[:-100])  # truncated
-    with caplog.at_level(logging.WARNING, logger="thinkahead.models.weight_cache"):
+    with caplog.at_level(logging.WARNING, logger="thinkahead.models.engine.weights.cache"):
         again, _ = weights.load_causal_lm(spec, "gguf", cache_dir=tmp_path, weight_cache=True)
     assert any("not usable" in r.getMessage() for r in caplog.records)
     assert torch.equal(logits(again), logits(fresh))
@@ -268,7 +269,7 @@ def test_gguf_weight_cache_entries_hold_no_weights_round_trip_and_are_rebuilt(tm
 
 
 def test_auto_picks_gguf_only_where_it_runs(tiny_gguf, tmp_path, monkeypatch) -> None:
-    from thinkahead.models.weights import resolve_dtype
+    from thinkahead.models.engine.weights.load import resolve_dtype
 
     path, _ = tiny_gguf
     assert resolve_dtype("auto", str(path.parent), path.name) == "gguf"
@@ -285,7 +286,7 @@ def test_auto_picks_gguf_only_where_it_runs(tiny_gguf, tmp_path, monkeypatch) ->
 
 def test_nested_arrays_are_skipped_and_a_bad_alignment_is_an_error_for_auto_too(tmp_path) -> None:
     from thinkahead.models.errors import ModelFileError
-    from thinkahead.models.weights import resolve_dtype
+    from thinkahead.models.engine.weights.load import resolve_dtype
 
     for damage in ("nested array", "bad alignment"):
         path = tmp_path / f"{damage.replace(' ', '-')}.gguf"

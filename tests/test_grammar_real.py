@@ -121,7 +121,7 @@ def test_twenty_json_schemas_are_valid_first_time(client):
 
 
 def test_the_15b_files_template_is_repaired_at_load():
-    from thinkahead.models.weights import load_tokenizer
+    from thinkahead.models.engine.weights.load import load_tokenizer
 
     template = load_tokenizer("qwen2.5-coder-1.5b").chat_template
     assert '{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n' in template

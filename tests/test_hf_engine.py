@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.tiny_models import ARCHS, GEMMA3_SLIDING_WINDOW, VOCAB, tiny_model
-from thinkahead.token_spec.backends.hf import HFEngine
+from thinkahead.models.engine.runner import HFEngine
 
 ATOL = 1e-4
 

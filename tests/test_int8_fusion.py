@@ -1,4 +1,4 @@
-"""Fused q/k/v and gate/up int8 linears (thinkahead/models/fused_qwen2.py): the same bits, fewer calls.
+"""Fused q/k/v and gate/up int8 linears (thinkahead/models/engine/qwen2/fused_qwen2.py): the same bits, fewer calls.
 
 Per-channel weight scales and per-row activation scales make a fused layer's output columns the
 separate layers' outputs exactly: logits of fused and unfused int8 Qwen2 models are bit-identical,
@@ -14,11 +14,12 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from thinkahead.models import quantize, weights
-from thinkahead.models.fused_qwen2 import (FusedQwen2Attention, FusedQwen2ForCausalLM, FusedQwen2MLP, fuse_qwen2,
+from thinkahead.models.engine.kernels import quantize
+from thinkahead.models.engine.weights import load as weights
+from thinkahead.models.engine.qwen2.fused_qwen2 import (FusedQwen2Attention, FusedQwen2ForCausalLM, FusedQwen2MLP, fuse_qwen2,
                                             use_native_layers)
-from thinkahead.models.quantize import RowwiseInt8Linear, quantize_int8, unpack_int8
-from thinkahead.token_spec.backends.hf import HFEngine
+from thinkahead.models.engine.kernels.quantize import RowwiseInt8Linear, quantize_int8, unpack_int8
+from thinkahead.models.engine.runner import HFEngine
 
 from tests.test_speculative_decoding import assert_suffix_speculation_is_exact
 from tests.tiny_models import VOCAB

@@ -1,4 +1,4 @@
-"""The native AVX2 int8 linear (thinkahead/models/int8_kernel.py): fbgemm's float32 outputs bit for bit.
+"""The native AVX2 int8 linear (thinkahead/models/engine/kernels/int8_kernel.py): fbgemm's float32 outputs bit for bit.
 
 `RowwiseInt8Linear` runs either kernel; these tests build both from the same float weights and
 require equal bits on shapes the kernel's blocking does not divide (K not a multiple of 4 or 32,
@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from tests.test_speculative_decoding import repetitive_prompt
-from thinkahead.models import int8_kernel
-from thinkahead.models.native_extension import LazyExtension
-from thinkahead.models.quantize import (
+from thinkahead.models.engine.kernels import int8_kernel
+from thinkahead.models.engine.kernels.native_extension import LazyExtension
+from thinkahead.models.engine.kernels.quantize import (
     X_SCALE,
     X_ZERO_POINT,
     RowwiseInt8Linear,
@@ -162,7 +162,7 @@ def test_native_is_the_default_where_it_runs(monkeypatch) -> None:
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 def test_speculative_greedy_equals_plain_greedy_on_the_native_kernel(arch, tiny_model_factory, monkeypatch) -> None:
-    from thinkahead.token_spec.backends.hf import HFEngine
+    from thinkahead.models.engine.runner import HFEngine
     from thinkahead.token_spec.controller import FixedController
     from thinkahead.token_spec.decoder import SpeculativeDecoder, plain_greedy
     from thinkahead.token_spec.drafters import SuffixDrafter

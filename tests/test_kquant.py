@@ -1,4 +1,4 @@
-"""dtype "gguf": linears on a GGUF file's own blocks (thinkahead/models/kquant.py, native/kquant_linear.cpp).
+"""dtype "gguf": linears on a GGUF file's own blocks (thinkahead/models/engine/kernels/kquant.py, native/kquant_linear.cpp).
 
 The kernel equals a float64 reference over the same quantized activations (gguf's own dequantizer
 for the weights), for every block type it runs; each row's output is the same bits alone or among
@@ -15,7 +15,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize, quantize
 
-from thinkahead.models import kquant
+from thinkahead.models.engine.kernels import kquant
 
 pytestmark = pytest.mark.skipif(kquant.unavailable_reason() is not None, reason=str(kquant.unavailable_reason()))
 
@@ -260,7 +260,7 @@ def test_embedding_rows_are_gguf_pys_dequantized_bits(name, monkeypatch) -> None
     import gguf.quants
     from gguf.quants import dequantize
 
-    from thinkahead.models.kquant import GGUFEmbedding, QuantTensor
+    from thinkahead.models.engine.kernels.kquant import GGUFEmbedding, QuantTensor
 
     kind = TYPES[name]
     cols = 512

@@ -1,4 +1,4 @@
-"""`GrowingCache` (token_spec/backends/kv_cache.py): appends in place, the same logits as `DynamicCache`.
+"""`GrowingCache` (thinkahead/models/engine/kv_cache.py): appends in place, the same logits as `DynamicCache`.
 
 Prefill, decode steps, a tree forward, keep_path, truncation and appends after a crop give
 bit-identical logits with either cache, for a float model, for the int8 model on the native layers
@@ -14,10 +14,10 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from thinkahead.models.fused_qwen2 import use_native_layers
-from thinkahead.models.quantize import quantize_int8
-from thinkahead.token_spec.backends.hf import EngineSession, HFEngine
-from thinkahead.token_spec.backends.kv_cache import MIN_CAPACITY, GrowingCache, GrowingLayer
+from thinkahead.models.engine.qwen2.fused_qwen2 import use_native_layers
+from thinkahead.models.engine.kernels.quantize import quantize_int8
+from thinkahead.models.engine.runner import EngineSession, HFEngine
+from thinkahead.models.engine.kv_cache import MIN_CAPACITY, GrowingCache, GrowingLayer
 
 from tests.test_int8_fusion import _qwen2
 from tests.tiny_models import VOCAB

@@ -1,4 +1,4 @@
-"""The native layer loop (thinkahead/models/native/layer_loop.inc): a GGUF model's decoder layers in one native
+"""The native layer loop (thinkahead/models/engine/kernels/native/layer_loop.inc): a GGUF model's decoder layers in one native
 call give the bits layer_ops.py's Python loop gives, for prefill, decode, chains and trees, batches, and two
 threads at once; the cache is left as it was when a run fails; SiLU close to torch's; bad plans refused."""
 
@@ -7,12 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-native = pytest.importorskip("thinkahead.models._layer_native")
-pytest.importorskip("thinkahead.models._kquant_native")
+native = pytest.importorskip("thinkahead.models.engine.kernels._layer_native")
+pytest.importorskip("thinkahead.models.engine.kernels._kquant_native")
 
-from thinkahead.models import gguf_native, layer_ops
-from thinkahead.token_spec.backends.hf import HFEngine
-from thinkahead.token_spec.backends.kv_cache import GrowingCache
+from thinkahead.models.engine.weights import gguf_native
+from thinkahead.models.engine.kernels import layer_ops
+from thinkahead.models.engine.runner import HFEngine
+from thinkahead.models.engine.kv_cache import GrowingCache
 
 from tests.concurrency import run_at_once
 from tests.test_gguf_native import tiny_config, write_tiny_gguf

@@ -1,4 +1,4 @@
-"""The native row-wise layer ops (thinkahead/models/layer_ops.py, native/layer_ops.cpp) and the fused
+"""The native row-wise layer ops (thinkahead/models/engine/kernels/layer_ops.py, native/layer_ops.cpp) and the fused
 Qwen2 forward that runs them: transformers' numbers (the rotary embedding to the bit, the norm to
 float rounding), rows that never depend on the batch, exact speculation, and the fallbacks."""
 
@@ -11,18 +11,18 @@ import torch
 from transformers import Qwen2Config
 from transformers.models.qwen2 import modeling_qwen2 as qwen2
 
-from thinkahead.models import layer_ops
-from thinkahead.models.exact_attention import use_exact_attention
-from thinkahead.models.fused_qwen2 import CACHE_NAME, FusedQwen2ForCausalLM, fuse_qwen2, use_native_layers
-from thinkahead.models.native_extension import LazyExtension
-from thinkahead.models.quantize import quantize_int8
-from thinkahead.token_spec.backends.hf import HFEngine
+from thinkahead.models.engine.kernels import layer_ops
+from thinkahead.models.engine.qwen2.exact_attention import use_exact_attention
+from thinkahead.models.engine.qwen2.fused_qwen2 import CACHE_NAME, FusedQwen2ForCausalLM, fuse_qwen2, use_native_layers
+from thinkahead.models.engine.kernels.native_extension import LazyExtension
+from thinkahead.models.engine.kernels.quantize import quantize_int8
+from thinkahead.models.engine.runner import HFEngine
 
 from tests.test_int8_fusion import _qwen2
 from tests.test_speculative_decoding import assert_suffix_speculation_is_exact
 from tests.tiny_models import VOCAB
 
-native = pytest.importorskip("thinkahead.models._layer_native")
+native = pytest.importorskip("thinkahead.models.engine.kernels._layer_native")
 
 
 def _native_float_qwen2(intermediate: int = 100, layers: int = 3) -> tuple[torch.nn.Module, torch.nn.Module]:

@@ -2,7 +2,9 @@
 
 Every `import` in every module counts, those inside functions too (a lazy import is still a
 dependency). Layers, top to bottom: the user-facing top (cli, serving, evals, sdk, config),
-workflows, orchestrator, step_spec, verifiers, models, token_spec.
+workflows, orchestrator, step_spec, verifiers, models, the local engine (thinkahead/models/engine), the
+model catalog (thinkahead/models' registry, specs, templates and errors: which models exist and where
+their files are), token_spec.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# (layer name, folder, import prefix), top first; a module may import its own layer and any below.
+# The model catalog's modules (a layer of single files inside thinkahead/models, below the engine).
+CATALOG = ("registry", "specs", "templates", "errors")
+# (layer name, folder or module file, import prefix), top first; a module may import its own layer and any below.
 LAYERS = [
     ("top", "thinkahead", "thinkahead"),
     ("workflows", "workflows", "thinkahead.workflows"),
@@ -21,6 +25,8 @@ LAYERS = [
     ("step_spec", "step_spec", "thinkahead.step_spec"),
     ("verifiers", "verifiers", "thinkahead.verifiers"),
     ("models", "thinkahead/models", "thinkahead.models"),
+    ("engine", "thinkahead/models/engine", "thinkahead.models.engine"),
+    *(("catalog", f"thinkahead/models/{name}.py", f"thinkahead.models.{name}") for name in CATALOG),
     ("token_spec", "token_spec", "thinkahead.token_spec"),
 ]
 RANK = {name: i for i, (name, _, _) in enumerate(LAYERS)}
@@ -39,7 +45,7 @@ def layer_of_file(path: Path) -> str:
     rel = path.relative_to(ROOT).as_posix()
     best = None
     for layer, folder, _ in LAYERS:
-        if rel.startswith(folder + "/") and (best is None or len(folder) > len(best[1])):
+        if (rel == folder or rel.startswith(folder + "/")) and (best is None or len(folder) > len(best[1])):
             best = (layer, folder)
     assert best is not None, rel
     return best[0]
@@ -58,19 +64,19 @@ def imports(path: Path) -> list[tuple[int, str]]:
 
 def violations() -> list[str]:
     found = []
-    for _, folder, _ in LAYERS:
-        for path in sorted((ROOT / folder).rglob("*.py")):
-            own = layer_of_file(path)
-            for lineno, target in imports(path):
-                if not target.startswith("thinkahead"):
-                    continue
-                layer = layer_of_module(target)
-                if layer is None:
-                    continue
-                if target in ("thinkahead", "thinkahead.__version__") and own != "top":
-                    found.append(f"{path.relative_to(ROOT)}:{lineno}: {own} imports the package root ({target})")
-                elif RANK[layer] < RANK[own]:
-                    found.append(f"{path.relative_to(ROOT)}:{lineno}: {own} imports {target} ({layer}, a higher layer)")
+    paths = {path for _, folder, _ in LAYERS if not folder.endswith(".py") for path in (ROOT / folder).rglob("*.py")}
+    for path in sorted(paths):  # each once (a folder's walk also reads the layers inside it)
+        own = layer_of_file(path)
+        for lineno, target in imports(path):
+            if not target.startswith("thinkahead"):
+                continue
+            layer = layer_of_module(target)
+            if layer is None:
+                continue
+            if target in ("thinkahead", "thinkahead.__version__") and own != "top":
+                found.append(f"{path.relative_to(ROOT)}:{lineno}: {own} imports the package root ({target})")
+            elif RANK[layer] < RANK[own]:
+                found.append(f"{path.relative_to(ROOT)}:{lineno}: {own} imports {target} ({layer}, a higher layer)")
     return found
 
 
@@ -84,8 +90,14 @@ def test_the_rule_catches_an_upward_import(tmp_path, monkeypatch):
     (fake / "bad.py").write_text("def f():\n    from thinkahead.step_spec.loop import StepLoop\n")
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     for _, folder, _ in LAYERS:
-        (tmp_path / folder).mkdir(parents=True, exist_ok=True)
-    assert violations() == ["token_spec/bad.py:2: token_spec imports thinkahead.step_spec.loop (step_spec, a higher layer)"]
+        if not folder.endswith(".py"):
+            (tmp_path / folder).mkdir(parents=True, exist_ok=True)
+    (tmp_path / "thinkahead/models/engine/bad.py").write_text("from thinkahead.models.local import LocalModel\n")
+    (tmp_path / "thinkahead/models/registry.py").write_text("import thinkahead.models.engine.config\n")
+    assert violations() == [
+        "thinkahead/models/engine/bad.py:1: engine imports thinkahead.models.local (models, a higher layer)",
+        "thinkahead/models/registry.py:1: catalog imports thinkahead.models.engine.config (engine, a higher layer)",
+        "token_spec/bad.py:2: token_spec imports thinkahead.step_spec.loop (step_spec, a higher layer)"]
 
 
 def test_the_light_modules_do_not_import_torch():

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from thinkahead.models import registry as reg, weights
+from thinkahead.models import registry as reg
+from thinkahead.models.engine.weights import load as weights
 from thinkahead.cli import main
 
 FAKE = "fake-model"

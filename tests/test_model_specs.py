@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from thinkahead.models import registry as reg, specs, weights
+from thinkahead.models import registry as reg, specs
+from thinkahead.models.engine.weights import load as weights
 
 
 # --------------------------------------------------------------------------- registry contents

@@ -391,7 +391,7 @@ def test_a_remote_model_named_like_a_packaged_model_renders_with_its_chat_templa
     # "user: ...\n\nassistant: " and wrote other chains (1-2 steps where the local model wrote 5)
     from thinkahead.models.base import render_chat
     from thinkahead.models.loader import load_model
-    from thinkahead.models.weights import load_tokenizer
+    from thinkahead.models.engine.weights.load import load_tokenizer
 
     messages = [{"role": "user", "content": "Solve 2+2."}]
     packaged = load_model(f"openai:qwen2.5-coder-0.5b@{server.base_url}")

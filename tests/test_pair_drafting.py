@@ -9,14 +9,14 @@ from concurrent.futures import Future
 
 import pytest
 
-pytest.importorskip("thinkahead.models._layer_native")
-pytest.importorskip("thinkahead.models._kquant_native")
+pytest.importorskip("thinkahead.models.engine.kernels._layer_native")
+pytest.importorskip("thinkahead.models.engine.kernels._kquant_native")
 
-from thinkahead.models import gguf_native
+from thinkahead.models.engine.weights import gguf_native
 from thinkahead.models.base import GenerationRequest
 from thinkahead.models.local import LocalModel
-from thinkahead.token_spec.backends.hf import HFEngine
-from thinkahead.token_spec.batching import BatchScheduler
+from thinkahead.models.engine.runner import HFEngine
+from thinkahead.models.engine.scheduler import BatchScheduler
 from thinkahead.token_spec.engine import ForwardCall
 
 from tests.test_gguf_native import tiny_config, write_tiny_gguf

@@ -7,8 +7,8 @@ import copy
 import pytest
 import torch
 
-from thinkahead.models.quantize import RowwiseInt8Linear, quantize_int8
-from thinkahead.token_spec.backends.hf import HFEngine
+from thinkahead.models.engine.kernels.quantize import RowwiseInt8Linear, quantize_int8
+from thinkahead.models.engine.runner import HFEngine
 
 from tests.test_speculative_decoding import assert_suffix_speculation_is_exact
 
@@ -41,7 +41,7 @@ class _Attention(torch.nn.Module):
 
 def test_fp64_attention_rows_do_not_depend_on_the_batch() -> None:
     """A query row is bit-identical whether it is verified among 16 rows or decoded alone."""
-    from thinkahead.models.exact_attention import fp64_sdpa_forward
+    from thinkahead.models.engine.qwen2.exact_attention import fp64_sdpa_forward
 
     torch.manual_seed(0)
     heads, kv_heads, dim, prefix, n = 12, 2, 64, 1500, 16
@@ -64,7 +64,7 @@ def test_fp64_attention_rows_do_not_depend_on_the_batch() -> None:
 
 
 def test_fp64_attention_refuses_what_it_cannot_compute() -> None:
-    from thinkahead.models.exact_attention import fp64_sdpa_forward
+    from thinkahead.models.engine.qwen2.exact_attention import fp64_sdpa_forward
 
     q, kv = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8)
     with pytest.raises(ValueError, match="softcap"):

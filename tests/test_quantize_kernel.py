@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from thinkahead.models.quantize import X_SCALE, X_ZERO_POINT, RowwiseInt8Linear
+from thinkahead.models.engine.kernels.quantize import X_SCALE, X_ZERO_POINT, RowwiseInt8Linear
 
 
 @pytest.fixture(autouse=True)

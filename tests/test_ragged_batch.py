@@ -7,11 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("thinkahead.models._layer_native")
-pytest.importorskip("thinkahead.models._kquant_native")
+pytest.importorskip("thinkahead.models.engine.kernels._layer_native")
+pytest.importorskip("thinkahead.models.engine.kernels._kquant_native")
 
-from thinkahead.models import gguf_native, layer_ops
-from thinkahead.token_spec.backends.hf import HFEngine
+from thinkahead.models.engine.weights import gguf_native
+from thinkahead.models.engine.kernels import layer_ops
+from thinkahead.models.engine.runner import HFEngine
 from thinkahead.token_spec.engine import ForwardCall
 
 from tests.test_gguf_native import tiny_config, tiny_gguf  # noqa: F401 (fixture)

@@ -11,7 +11,7 @@ import copy
 import pytest
 import torch
 
-from thinkahead.token_spec.backends.hf import HFEngine
+from thinkahead.models.engine.runner import HFEngine
 from thinkahead.token_spec.controller import FixedController, MatchLengthController
 from thinkahead.token_spec.decoder import SpeculativeDecoder, plain_greedy
 from thinkahead.token_spec.drafters import PromptLookupDrafter, SuffixDrafter
@@ -83,7 +83,7 @@ def test_bf16_speculation_stays_on_the_float32_argmax(smollm2) -> None:
 
 def test_int8_speculation_is_token_identical_on_a_real_model(smollm2) -> None:
     """int8 linears + float64 attention: verify, decode and chunked prefill compute the same rows."""
-    from thinkahead.models.quantize import quantize_int8
+    from thinkahead.models.engine.kernels.quantize import quantize_int8
     from thinkahead.token_spec.prefix_pool import KVPrefixPool
 
     model, tokenizer, prompt = smollm2

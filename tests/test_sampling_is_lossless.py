@@ -11,7 +11,7 @@ import torch
 from scipy.stats import chisquare
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from thinkahead.token_spec.backends.hf import HFEngine
+from thinkahead.models.engine.runner import HFEngine
 from thinkahead.token_spec.controller import FixedController
 from thinkahead.token_spec.decoder import SpeculativeDecoder
 from thinkahead.token_spec.draft import Draft

@@ -10,10 +10,10 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-pytest.importorskip("thinkahead.models._layer_native")
-pytest.importorskip("thinkahead.models._kquant_native")
+pytest.importorskip("thinkahead.models.engine.kernels._layer_native")
+pytest.importorskip("thinkahead.models.engine.kernels._kquant_native")
 
-from thinkahead.models import gguf_native
+from thinkahead.models.engine.weights import gguf_native
 from thinkahead.models.local import LocalModel
 from thinkahead.serving.openai_server import create_app
 

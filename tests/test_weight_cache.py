@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from thinkahead.models import weight_cache, weights
-from thinkahead.models.weight_cache import (
+from thinkahead.models.engine.weights import cache as weight_cache, load as weights
+from thinkahead.models.engine.weights.cache import (
     MANIFEST_FILE,
     MODEL_FILE,
     cache_enabled,
@@ -130,7 +130,7 @@ def test_a_corrupt_entry_is_rebuilt_with_a_warning(corrupt, verified_first, tiny
         _load(spec, "int8", tmp_path)
         assert (entry / weight_cache.VERIFIED_FILE).is_file()
     corrupt(entry / MODEL_FILE)
-    with caplog.at_level(logging.WARNING, logger="thinkahead.models.weight_cache"):
+    with caplog.at_level(logging.WARNING, logger="thinkahead.models.engine.weights.cache"):
         again, _ = _load(spec, "int8", tmp_path)
     assert any("not usable" in r.getMessage() for r in caplog.records)
     assert torch.equal(_logits(again), _logits(fresh))
@@ -262,7 +262,7 @@ def test_a_second_writer_keeps_the_first_entry(tiny_model_dir, tmp_path) -> None
 def test_two_processes_converting_at_once(tiny_model_dir, tmp_path, monkeypatch) -> None:
     code = (
         "import sys, torch\n"
-        "from thinkahead.models.weights import load_causal_lm\n"
+        "from thinkahead.models.engine.weights.load import load_causal_lm\n"
         "m, _ = load_causal_lm(sys.argv[1], 'int8', cache_dir=sys.argv[2])\n"
         "torch.save(m(torch.tensor([[1, 5, 9, 20, 33, 7, 101, 3]])).logits.detach(), sys.argv[3])\n"
     )

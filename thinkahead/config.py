@@ -28,7 +28,7 @@ from thinkahead.orchestrator.budget import RetryPolicy, RunBudget
 from thinkahead.step_spec.loop import StepBudget
 from thinkahead.step_spec.policies import PolicySettings
 from thinkahead.step_spec.segment import SegmentConfig
-from thinkahead.models.engine_config import ENGINE_SETTINGS, EngineConfig, scheduler_conflicts
+from thinkahead.models.engine.config import ENGINE_SETTINGS, EngineConfig, scheduler_conflicts
 from thinkahead.models.loader import REMOTE_PREFIXES
 from thinkahead.token_spec.names import MODEL_DRAFT_KINDS
 
@@ -37,7 +37,7 @@ from thinkahead.token_spec.names import MODEL_DRAFT_KINDS
 # `call_timeout_s` (thinkahead.models.http.DEFAULT_CALL_TIMEOUT_S) and `budget.max_call_s`.
 DEFAULT_RUN_WALL_S = 1800.0
 # Runs in flight at once (`run`, `serve`, the SDK's batches) unless `concurrency` says otherwise: a local model
-# decodes them together, one forward per step (token_spec/batching.py). 8 GSM8K chains on the 1.5B: 2.5x the
+# decodes them together, one forward per step (thinkahead/models/engine/scheduler.py). 8 GSM8K chains on the 1.5B: 2.5x the
 # tokens per second of one at a time, 16 no more (docs/results/batching.md); `run` on 20 problems 1.9x faster.
 CONCURRENCY = 8
 # Engine settings a remote model's config may carry, unused: `--dtype` applies to both models of a command

@@ -34,7 +34,7 @@ class ForwardCall:
 
 @runtime_checkable
 class TargetEngine(Protocol):
-    """A model over KV-cached sessions (token_spec/backends/hf.py's `HFEngine` is the local one)."""
+    """A model over KV-cached sessions (thinkahead/models/engine/runner.py's `HFEngine` is the local one)."""
 
     vocab_size: int
 

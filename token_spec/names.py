@@ -20,7 +20,7 @@ SUFFIX_SPEC_FACTOR = 1.0
 SUFFIX_SPEC_OFFSET = 0.0
 SUFFIX_MIN_TOKEN_PROB = 0.1
 
-# The batch scheduler's (token_spec/batching.py): prompt tokens per step while other sequences decode (1.5B on 2
+# The batch scheduler's (thinkahead/models/engine/scheduler.py): prompt tokens per step while other sequences decode (1.5B on 2
 # cores: ~0.7 s a step), and rows of one step's forward at most.
 PREFILL_CHUNK = 64
 MAX_BATCH_ROWS = 512

@@ -20,7 +20,7 @@ import click
 
 from thinkahead.cli.options import InputError, model_file_errors, output_errors, same_file
 from thinkahead.config import default
-from thinkahead.models.weights import DTYPES
+from thinkahead.models.engine.weights.load import DTYPES
 from thinkahead.token_spec.names import (
     DRAFTER_CHOICES, MODEL_DRAFT_KINDS, SOLO_DRAFTER, resolve_drafter,
 )
@@ -96,9 +96,9 @@ def check_writable_dir(path: Path, option: str) -> None:
 
 def build_decoder(model_spec: str, drafter: str, draft_spec: str | None, dtype: str, max_draft: int, cache):
     """Load the target (and draft) model and wire the speculative decoder over `cache`."""
-    from thinkahead.models.weights import load_causal_lm
+    from thinkahead.models.engine.weights.load import load_causal_lm
     from thinkahead.token_spec import presets
-    from thinkahead.token_spec.backends.hf import HFEngine
+    from thinkahead.models.engine.runner import HFEngine
 
     model, tokenizer = load_causal_lm(model_spec, dtype)
     engine = HFEngine(model)

@@ -12,7 +12,7 @@ from typing import Any
 import click
 
 from thinkahead.config import default
-from thinkahead.models.weights import DTYPES
+from thinkahead.models.engine.weights.load import DTYPES
 from thinkahead.step_spec.policies import JUDGES, POLICIES as POLICY_REGISTRY, POLICY_NAMES, REPAIRS
 from thinkahead.token_spec.names import DRAFTER_CHOICES, SOLO_DRAFTER
 
@@ -255,8 +255,8 @@ def first_loads(models: list[tuple[str, str]]) -> list[str]:
     """The local model specs that will convert on this start (the weight cache is on and has no entry)."""
     from thinkahead.models.loader import REMOTE_PREFIXES
     from thinkahead.models.specs import resolve_model_spec
-    from thinkahead.models.weight_cache import cache_enabled
-    from thinkahead.models.weights import is_weight_cached
+    from thinkahead.models.engine.weights.cache import cache_enabled
+    from thinkahead.models.engine.weights.load import is_weight_cached
 
     if not cache_enabled():
         return []

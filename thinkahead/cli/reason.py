@@ -10,7 +10,7 @@ import click
 
 from thinkahead.cli.options import DRAFTER_HELP, GateLogprob, gate_setting, model_file_errors
 from thinkahead.config import default
-from thinkahead.models.weights import DTYPES
+from thinkahead.models.engine.weights.load import DTYPES
 from thinkahead.token_spec.names import DRAFTER_CHOICES
 from thinkahead.step_spec.policies import ALL_POLICY_NAMES, JUDGES, REPAIRS, SCORE_MODES, policy_entry
 

@@ -333,7 +333,7 @@ def check_messages(messages: list[dict[str, str]]) -> None:
 def resolve_tokenizer(tokenizer: Any) -> Any:
     """A tokenizer object: a spec string (registry name, hub id, directory) is loaded, anything else kept."""
     if isinstance(tokenizer, str):
-        from thinkahead.models.weights import load_tokenizer
+        from thinkahead.models.engine.weights.load import load_tokenizer
 
         return load_tokenizer(tokenizer)
     return tokenizer

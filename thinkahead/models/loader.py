@@ -111,7 +111,7 @@ def load_model(spec: str | LanguageModel, **options: Any) -> LanguageModel:
     if isinstance(spec, LanguageModel):
         return spec
     spec = check_model_spec(spec)  # a precise error for a bad spec before any weights load
-    from thinkahead.models.engine_config import ENGINE_SETTINGS
+    from thinkahead.models.engine.config import ENGINE_SETTINGS
 
     remote_options = {k: v for k, v in options.items() if k not in (*ENGINE_SETTINGS, "draft")}  # local only
     if spec.startswith("openai:"):

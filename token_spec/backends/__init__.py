@@ -1,1 +1,2 @@
-"""Model backends that run the target (and draft) models."""
+"""Speculation inside other engines: the suffix drafter as an SGLang plugin (the local engine is
+thinkahead.models.engine)."""

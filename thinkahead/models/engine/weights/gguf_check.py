@@ -15,7 +15,7 @@ asks for the index several times (is the model cached, which dtype, the build).
 
 `scan_values(index, data)` looks at every quantized block's scales (the fp16 `d` and `dmin` of the
 K-quants and the 32-value blocks) and every value of a float tensor for NaN or infinity, over the
-file's bytes in memory or mapped; the loaders call it once, at conversion (thinkahead/models/weights.py,
+file's bytes in memory or mapped; the loaders call it once, at conversion (thinkahead/models/engine/weights/load.py,
 gguf_native.convert), whose result the weight cache keeps under the file's sha256: a warm start
 scans nothing.
 

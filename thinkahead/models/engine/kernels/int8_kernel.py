@@ -1,4 +1,4 @@
-"""The native AVX2 int8 linear (thinkahead/models/native/int8_linear.cpp) behind `RowwiseInt8Linear`.
+"""The native AVX2 int8 linear (thinkahead/models/engine/kernels/native/int8_linear.cpp) behind `RowwiseInt8Linear`.
 
 Why: fbgemm's int8 kernels need their weights prepacked at every model load (the packed form cannot
 be cached) and read a single row's weights at about half the memory bandwidth. The native kernel
@@ -21,7 +21,7 @@ from types import ModuleType
 
 import torch
 
-from thinkahead.models.native_extension import LazyExtension
+from thinkahead.models.engine.kernels.native_extension import LazyExtension
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ file's `small:`/`large:` entries are `ModelConfig`s built on them (thinkahead/co
 and the SDK read their defaults from here. The numbers behind each default sit with the name it reads:
 `DEFAULT_DTYPE` (models/dtypes.py), the drafter names, `MAX_DRAFT`, `PREFILL_CHUNK` and `MAX_BATCH_ROWS`
 (token_spec/names.py), `KV_SESSIONS`, `KV_MEMORY_SHARE` and `KV_LIVE_SHARE` (below). Threads are the process's
-(`THINKAHEAD_THREADS`, models/weights.py), not a model's: torch has one pool.
+(`THINKAHEAD_THREADS`, engine/weights/load.py), not a model's: torch has one pool.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field, ValidationError, field_validator
 
-from thinkahead.models.dtypes import DEFAULT_DTYPE
+from thinkahead.models.engine.dtypes import DEFAULT_DTYPE
 from thinkahead.token_spec.names import (
     AUTO_DRAFTER, DRAFTER_CHOICES, MAX_BATCH_ROWS, MAX_DRAFT, PREFILL_CHUNK, check_drafter,
 )
@@ -46,7 +46,7 @@ class EngineConfig(BaseModel, extra="forbid", frozen=True):
     @field_validator("dtype")
     @classmethod
     def _known_dtype(cls, value: str) -> str:
-        from thinkahead.models.weights import DTYPES
+        from thinkahead.models.engine.weights.load import DTYPES
 
         if value not in DTYPES:
             raise ValueError(f"unknown dtype {value!r}; choose one of {', '.join(DTYPES)}")

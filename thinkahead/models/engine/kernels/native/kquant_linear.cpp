@@ -1,5 +1,5 @@
 // Linears computed directly on a GGUF file's quantized blocks (Q4_K, Q6_K, Q4_0, Q5_0, Q8_0), AVX2/AVX-VNNI, for
-// thinkahead/models/kquant.py: y = x @ W.T + b where W stays in the file's blocks (never converted;
+// thinkahead/models/engine/kernels/kquant.py: y = x @ W.T + b where W stays in the file's blocks (never converted;
 // its blocks rearranged once at load into the kernel's layout: kquant_layout.inc) and every row of
 // x is quantized to 8 bits per block, as llama.cpp does it.
 //
@@ -420,7 +420,7 @@ extern "C" int thinkahead_kquant_linear(const float* x, int64_t M, int64_t K, co
 }
 
 PYBIND11_MODULE(_kquant_native, m) {
-    m.doc() = "AVX2 linears on GGUF quantized blocks (see thinkahead/models/kquant.py)";
+    m.doc() = "AVX2 linears on GGUF quantized blocks (see thinkahead/models/engine/kernels/kquant.py)";
     m.attr("Q4_0") = static_cast<int>(Q4_0);
     m.attr("Q5_0") = static_cast<int>(Q5_0);
     m.attr("Q8_0") = static_cast<int>(Q8_0);

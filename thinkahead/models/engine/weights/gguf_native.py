@@ -3,7 +3,7 @@
 `build_model(gguf_path, config)` reads the file's tensor index (gguf_check.read_index: the header only,
 checked; the vocabulary arrays are skipped, not parsed), builds the transformers model on the meta device, fuses
 Qwen2's q/k/v and gate/up (fused_qwen2.py), and puts in `GGUFLinear`s and a `GGUFEmbedding` over
-views of the file's bytes (thinkahead/models/kquant.py), read once into the process's memory (huge
+views of the file's bytes (thinkahead/models/engine/kernels/kquant.py), read once into the process's memory (huge
 pages where the kernel offers them: huge_pages.py), plus the few float tensors (norms, biases). Nothing
 is dequantized or converted; the linears' blocks are rewritten in place into the kernel's layout (the
 same bytes, codes permuted: kquant.kernel_layout). A start costs the config and the tokenizer, which
@@ -24,11 +24,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from thinkahead.models import huge_pages
-from thinkahead.models.gguf_check import EMBEDDING as _EMBEDDING
-from thinkahead.models.gguf_check import F32 as _F32
-from thinkahead.models.gguf_check import GGUFIndex, TensorInfo, read_index, scan_values
-from thinkahead.models.kquant import BLOCK_GEOMETRY, GGUFEmbedding, GGUFLinear, QuantTensor, blocks_view, kernel_layout
+from thinkahead.models.engine.weights import huge_pages
+from thinkahead.models.engine.weights.gguf_check import EMBEDDING as _EMBEDDING
+from thinkahead.models.engine.weights.gguf_check import F32 as _F32
+from thinkahead.models.engine.weights.gguf_check import GGUFIndex, TensorInfo, read_index, scan_values
+from thinkahead.models.engine.kernels.kquant import BLOCK_GEOMETRY, GGUFEmbedding, GGUFLinear, QuantTensor, blocks_view, kernel_layout
 
 logger = logging.getLogger(__name__)
 
@@ -127,9 +127,9 @@ def build_model(gguf_path: str | Path, config: Any) -> Any:
 def _build(tensors: _Tensors, config: Any) -> Any:
     from transformers import AutoModelForCausalLM
 
-    from thinkahead.models.exact_attention import use_exact_attention
-    from thinkahead.models.fused_qwen2 import use_native_layers
-    from thinkahead.models.fused_qwen2 import FusedQwen2Attention, FusedQwen2MLP, fuse_qwen2
+    from thinkahead.models.engine.qwen2.exact_attention import use_exact_attention
+    from thinkahead.models.engine.qwen2.fused_qwen2 import use_native_layers
+    from thinkahead.models.engine.qwen2.fused_qwen2 import FusedQwen2Attention, FusedQwen2MLP, fuse_qwen2
 
     index = tensors.index
     config.tie_word_embeddings = False  # the lm_head gets its own module below

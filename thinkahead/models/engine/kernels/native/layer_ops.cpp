@@ -1,5 +1,5 @@
 // The row-wise parts of a Qwen2 decoder layer around its linears and attention, for
-// thinkahead/models/layer_ops.py: RMS norm, the rotary embedding with the q/k/v split, and attention
+// thinkahead/models/engine/kernels/layer_ops.py: RMS norm, the rotary embedding with the q/k/v split, and attention
 // (attention.inc), SiLU times up; and a GGUF model's whole layer stack in one call (layer_loop.inc). Each
 // replaces a handful of small torch ops per layer (a dispatch, an allocation and a Python call each).
 //
@@ -89,7 +89,7 @@ void rope_split(uintptr_t qkv, int64_t T, int64_t hq, int64_t hkv, int64_t D, ui
 
 PYBIND11_MODULE(_layer_native, m) {
     m.doc() = "Row-wise decoder-layer ops (RMS norm, rotary split, attention, SiLU x up) and the GGUF layer loop "
-              "(see thinkahead/models/layer_ops.py)";
+              "(see thinkahead/models/engine/kernels/layer_ops.py)";
     m.def("cpu_supported", [] { return true; }, "plain C++: every x86-64 CPU");
     m.def("rms_norm", &rms_norm, py::arg("x"), py::arg("rows"), py::arg("dim"), py::arg("weight"), py::arg("eps"),
           py::arg("out"));

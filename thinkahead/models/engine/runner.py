@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from thinkahead.token_spec.backends.kv_cache import GrowingCache
+from thinkahead.models.engine.kv_cache import GrowingCache
 from thinkahead.token_spec.engine import ForwardCall
 
 if TYPE_CHECKING:

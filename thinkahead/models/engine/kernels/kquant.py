@@ -4,7 +4,7 @@ Why: a CPU decode step is bound by the bytes of weights it reads and the work of
 packaged models are Q4_K_M files (about 4.8 bits per weight); dtype "int8" dequantizes them and
 stores 8 bits per weight again. Here the weights stay in the file's blocks (never converted; a
 linear's Q4_K/Q6_K codes reordered, see Layout), and the native kernel
-(thinkahead/models/native/kquant_linear.cpp) multiplies them with each row of activations quantized
+(thinkahead/models/engine/kernels/native/kquant_linear.cpp) multiplies them with each row of activations quantized
 to 8 bits per block, as llama.cpp does.
 
 Exactness: every row of the activations is quantized on its own and every output's block sums are
@@ -43,7 +43,7 @@ import numpy as np
 import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from thinkahead.models.native_extension import LazyExtension
+from thinkahead.models.engine.kernels.native_extension import LazyExtension
 
 _KERNEL_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K,
                  GGMLQuantizationType.Q6_K)

@@ -3,7 +3,7 @@
 Why: speculative verification checks k draft tokens in one forward, plain decoding feeds one token
 at a time, and a prompt may be prefilled whole or in pieces (the KV prefix pool). float32 attention
 kernels reduce in an order that depends on those shapes, so the same query row comes out a few ulp
-apart (measured: up to 2e-6 at 1,500 keys). With int8 linears (thinkahead/models/quantize.py) such a
+apart (measured: up to 2e-6 at 1,500 keys). With int8 linears (thinkahead/models/engine/kernels/quantize.py) such a
 difference can move an activation across an int8 rounding step; on Qwen2.5-1.5B that shifted a
 logit by 0.28 and speculative greedy output left plain greedy output after 61 tokens.
 
@@ -81,7 +81,7 @@ def use_exact_attention(model: Any) -> Any:
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import sdpa_mask
 
-    from thinkahead.models.exact_rotary import use_exact_rotary
+    from thinkahead.models.engine.qwen2.exact_rotary import use_exact_rotary
 
     AttentionInterface.register(IMPLEMENTATION, fp64_sdpa_forward)
     AttentionMaskInterface.register(IMPLEMENTATION, sdpa_mask)

@@ -15,13 +15,13 @@ quantization parameters never depend on the batch. Integer accumulation is exact
 output is bit-identical whether it is computed alone or among k others.
 
 Attention is the other shape-dependent piece: `quantize_int8` also switches the model to float64
-attention (thinkahead/models/exact_attention.py), whose rows round to the same float32 values however
+attention (thinkahead/models/engine/qwen2/exact_attention.py), whose rows round to the same float32 values however
 many tokens share the forward.
 
 Numerics: weights are rounded to int8 per output channel (on top of the 4-bit GGUF quantization the
 packaged models already carry); activations get 7 bits per token (fbgemm's reduce_range).
 
-Kernels: fbgemm's, or where built and supported our AVX2 kernel (thinkahead/models/int8_kernel.py,
+Kernels: fbgemm's, or where built and supported our AVX2 kernel (thinkahead/models/engine/kernels/int8_kernel.py,
 `$THINKAHEAD_INT8_KERNEL`), which computes the same float32 outputs bit for bit from weights that
 need no prepacking. A module keeps the kernel chosen when it was built (`_packed` holds fbgemm's
 packed weights or the native `Int8Weights`).
@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from thinkahead.models import int8_kernel
+from thinkahead.models.engine.kernels import int8_kernel
 
 # fbgemm's int8 linear over float32 input quantized with given per-tensor parameters, float32 output
 # (None in a build without it; `quantize_int8` then refuses)
@@ -106,9 +106,9 @@ def unpack_int8(packed: Any) -> tuple[torch.Tensor, torch.Tensor]:
 def quantize_int8(model: Any, fuse: bool = True) -> Any:
     """Cast `model` to float32, replace every `nn.Linear` with `RowwiseInt8Linear` and switch to
     batch-invariant attention, in place. With `fuse`, Qwen2 layers first get one linear for q/k/v and
-    one for gate/up (thinkahead/models/fused_qwen2.py: bit-identical outputs, fewer kernel calls)."""
-    from thinkahead.models.exact_attention import use_exact_attention
-    from thinkahead.models.fused_qwen2 import use_native_layers
+    one for gate/up (thinkahead/models/engine/qwen2/fused_qwen2.py: bit-identical outputs, fewer kernel calls)."""
+    from thinkahead.models.engine.qwen2.exact_attention import use_exact_attention
+    from thinkahead.models.engine.qwen2.fused_qwen2 import use_native_layers
 
     engines = torch.backends.quantized.supported_engines
     if "fbgemm" not in engines:
@@ -118,7 +118,7 @@ def quantize_int8(model: Any, fuse: bool = True) -> Any:
     torch.backends.quantized.engine = "fbgemm"
     torch.nn.Module.float(model)  # transformers blocks `.float()` on GGUF-loaded models; the cast is plain torch
     if fuse:
-        from thinkahead.models.fused_qwen2 import fuse_qwen2
+        from thinkahead.models.engine.qwen2.fused_qwen2 import fuse_qwen2
 
         fuse_qwen2(model)
     for parent in list(model.modules()):

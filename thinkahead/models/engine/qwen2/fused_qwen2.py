@@ -33,9 +33,9 @@ from transformers import DynamicCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.models.qwen2 import modeling_qwen2 as qwen2
 
-from thinkahead.models import layer_ops
-from thinkahead.models.exact_attention import IMPLEMENTATION as EXACT_ATTENTION
-from thinkahead.models.exact_attention import keeps_float64_kv
+from thinkahead.models.engine.kernels import layer_ops
+from thinkahead.models.engine.qwen2.exact_attention import IMPLEMENTATION as EXACT_ATTENTION
+from thinkahead.models.engine.qwen2.exact_attention import keeps_float64_kv
 
 QKV, GATE_UP = "qkv_proj", "gate_up_proj"
 _QKV_PARTS, _GATE_UP_PARTS = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
@@ -148,7 +148,7 @@ class FusedQwen2ForCausalLM(qwen2.Qwen2ForCausalLM):
     def ragged_ready(self) -> bool:
         """Whether `ragged_hidden` can run: the native layer loop over GGUF linears, and a GGUF output layer
         (rows that never depend on the batch, as the layers')."""
-        from thinkahead.models.kquant import GGUFLinear
+        from thinkahead.models.engine.kernels.kquant import GGUFLinear
 
         return (self._native_layers and layer_ops.supports(self) and isinstance(self.lm_head, GGUFLinear)
                 and self.config._attn_implementation == EXACT_ATTENTION and layer_ops.has_plan(self.model))

@@ -1,4 +1,4 @@
-"""Qwen2 decoder layers with their row-wise glue in native code (thinkahead/models/native/layer_ops.cpp).
+"""Qwen2 decoder layers with their row-wise glue in native code (thinkahead/models/engine/kernels/native/layer_ops.cpp).
 
 Why: after the linears, a CPU decode step of the 1.5B model spent ~12 ms of ~77 in about 1,400 small
 torch ops (norms, the rotary embedding, views, casts) and transformers' module calls around them.
@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from thinkahead.models.native_extension import LazyExtension
+from thinkahead.models.engine.kernels.native_extension import LazyExtension
 
 EXTENSION = LazyExtension("_layer_native", "nothing (plain C++)")
 
@@ -199,7 +199,7 @@ def _act(native: ModuleType, inner: Any, mlp: Any, gate_up: torch.Tensor) -> tor
 
 def _linear_parts(linear: Any) -> tuple[list[int], list[int], list[int], list[int], int] | None:
     """A GGUFLinear's arguments to the kquant kernel, or None for any other linear."""
-    from thinkahead.models.kquant import GGUFLinear
+    from thinkahead.models.engine.kernels.kquant import GGUFLinear
 
     return linear.kernel_args() if isinstance(linear, GGUFLinear) else None
 

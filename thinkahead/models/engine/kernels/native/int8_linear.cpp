@@ -1,11 +1,11 @@
-// An AVX2 int8 linear for RowwiseInt8Linear (thinkahead/models/quantize.py): y = x @ W.T + b with
+// An AVX2 int8 linear for RowwiseInt8Linear (thinkahead/models/engine/kernels/quantize.py): y = x @ W.T + b with
 // int8 per-output-channel weights and per-row 7-bit activations, bit-identical to PyTorch's fbgemm
 // path (quantized::linear_with_input_q_dq_qweight_dq_output_fp32 with scale 2/127, zero point 64,
 // then `* row_max` and `+ bias`).
 //
 // Why: fbgemm needs its weights prepacked at every model load (prepacked weights cannot be cached)
 // and reaches only part of the memory bandwidth on one row. Here the weights live in a layout of
-// our own (plain int8, memory-mappable, see thinkahead/models/int8_kernel.py) and each call streams
+// our own (plain int8, memory-mappable, see thinkahead/models/engine/kernels/int8_kernel.py) and each call streams
 // them once for all M rows.
 //
 // Layout: blocks of 32 output channels; within a block, groups of 4 consecutive k; within a group,
@@ -303,7 +303,7 @@ void unpack_weights(uintptr_t src, int64_t N, int64_t K, uintptr_t dst) {
 }  // namespace
 
 PYBIND11_MODULE(_int8_native, m) {
-    m.doc() = "AVX2 int8 linear for RowwiseInt8Linear (see thinkahead/models/int8_kernel.py)";
+    m.doc() = "AVX2 int8 linear for RowwiseInt8Linear (see thinkahead/models/engine/kernels/int8_kernel.py)";
     m.attr("BLOCK_N") = BLOCK_N;
     m.attr("GROUP_K") = GROUP_K;
     m.attr("ZERO_POINT") = ZERO_POINT;

@@ -1,9 +1,9 @@
 """Taking a converted model apart into named tensors, and putting it back together without converting.
 
 `collect` turns a model (after GGUF dequantisation and, for int8, `quantize_int8`) into the tensors
-the weight cache stores (thinkahead/models/weight_cache.py); `rebuild` builds the same model from
+the weight cache stores (thinkahead/models/engine/weights/cache.py); `rebuild` builds the same model from
 its saved config on the meta device (no memory, no random init), fuses q/k/v and gate/up where the
-stored model had them fused (thinkahead/models/fused_qwen2.py, on the meta skeleton), puts int8
+stored model had them fused (thinkahead/models/engine/qwen2/fused_qwen2.py, on the meta skeleton), puts int8
 linears where they were, and assigns every stored tensor in place, memory-mapped, so nothing is
 converted again. An int8 linear is stored as its int8 weights and scales, whichever kernel packed
 it (`quantize.unpack_int8`), and packed again for the kernel of this process (`quantize.pack_int8`).
@@ -18,7 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from thinkahead.models.weight_cache import (
+from thinkahead.models.engine.weights.cache import (
     _META_KEY,
     HASH_NAME,
     CacheInvalid,
@@ -28,7 +28,7 @@ from thinkahead.models.weight_cache import (
 _QWEIGHT, _SCALES = "qweight", "scales"
 _INT8_ATTRIBUTES = frozenset({"in_features", "out_features", "_packed"})
 _INT8_BUFFERS = frozenset({"bias"})
-_FUSED_MODULE = "thinkahead.models.fused_qwen2"
+_FUSED_MODULE = "thinkahead.models.engine.qwen2.fused_qwen2"
 
 
 def _type_name(module: Any) -> str:
@@ -39,14 +39,14 @@ def _check_int8_layout() -> None:
     """The rebuild below knows `RowwiseInt8Linear`'s state; refuse if quantize.py changed it."""
     import torch
 
-    from thinkahead.models.quantize import RowwiseInt8Linear
+    from thinkahead.models.engine.kernels.quantize import RowwiseInt8Linear
 
     probe = RowwiseInt8Linear(torch.nn.Linear(2, 2))
     attributes = set(vars(probe)) - set(vars(torch.nn.Module()))
     if attributes != _INT8_ATTRIBUTES or set(probe._buffers) != _INT8_BUFFERS:
         raise Uncacheable(
             f"RowwiseInt8Linear now holds {sorted(attributes)} and buffers {sorted(probe._buffers)}; "
-            "teach thinkahead/models/weight_rebuild.py its new layout and bump FORMAT_VERSION"
+            "teach thinkahead/models/engine/weights/rebuild.py its new layout and bump FORMAT_VERSION"
         )
 
 
@@ -75,14 +75,14 @@ def _is_fused(model: Any) -> bool:
 def _skeleton(config: Any, fused: bool) -> Any:
     model = skeleton(config)
     if fused:
-        from thinkahead.models.fused_qwen2 import fuse_qwen2
+        from thinkahead.models.engine.qwen2.fused_qwen2 import fuse_qwen2
 
         fuse_qwen2(model)
     return model
 
 
 def _expected_types(model: Any, int8: list[str], fused: bool) -> dict[str, str]:
-    from thinkahead.models.quantize import RowwiseInt8Linear
+    from thinkahead.models.engine.kernels.quantize import RowwiseInt8Linear
 
     types = {name: _type_name(module) for name, module in _skeleton(model.config, fused).named_modules()}
     for name in int8:
@@ -95,7 +95,7 @@ def collect(model: Any) -> tuple[dict[str, Any], dict[str, str]]:
     not give it back exactly."""
     import torch
 
-    from thinkahead.models.quantize import RowwiseInt8Linear, unpack_int8
+    from thinkahead.models.engine.kernels.quantize import RowwiseInt8Linear, unpack_int8
 
     tensors: dict[str, Any] = {}
     int8: list[str] = []
@@ -187,7 +187,7 @@ def _int8_module(qweight: Any, scales: Any) -> Any:
     """An empty `RowwiseInt8Linear` of `qweight`'s shape; `_prepack` fills `_packed`, `_place` its bias."""
     import torch
 
-    from thinkahead.models.quantize import RowwiseInt8Linear
+    from thinkahead.models.engine.kernels.quantize import RowwiseInt8Linear
 
     if qweight.dtype != torch.int8 or qweight.dim() != 2 or scales.dtype != torch.float64:
         raise CacheInvalid("an int8 linear's stored weights have the wrong type")
@@ -205,7 +205,7 @@ def _int8_module(qweight: Any, scales: Any) -> Any:
 def _prepack(qweight: Any, scales: Any) -> Any:
     """The int8 kernel's packed form of stored int8 weights (a copy in its own layout); for fbgemm the
     costly part of a cached load (about 70 MB/s of weights per core on AVX2), and it releases the GIL."""
-    from thinkahead.models.quantize import pack_int8
+    from thinkahead.models.engine.kernels.quantize import pack_int8
 
     return pack_int8(qweight, scales)
 
@@ -271,8 +271,8 @@ def rebuild(entry: Path, model_file: Path, dtype: str, name_or_path: str) -> tup
         model.generation_config = GenerationConfig.from_pretrained(entry)
     model.eval()
     if int8:
-        from thinkahead.models.exact_attention import use_exact_attention
-        from thinkahead.models.fused_qwen2 import use_native_layers
+        from thinkahead.models.engine.qwen2.exact_attention import use_exact_attention
+        from thinkahead.models.engine.qwen2.fused_qwen2 import use_native_layers
 
         use_exact_attention(model)
         use_native_layers(model)
@@ -295,7 +295,7 @@ def _tie(model: Any, aliases: dict[str, str], params: set[str]) -> None:
 
 def _check_complete(model: Any, types: dict[str, str]) -> None:
     """Every module where it was, every tensor filled, every int8 linear whole."""
-    from thinkahead.models.quantize import RowwiseInt8Linear
+    from thinkahead.models.engine.kernels.quantize import RowwiseInt8Linear
 
     if {name: _type_name(module) for name, module in model.named_modules()} != types:
         raise CacheInvalid("the rebuilt modules differ from the stored model's")

@@ -1,7 +1,7 @@
 """A cache of converted model weights: convert a model once, memory-map the result on every later load.
 
 Why: loading a packaged GGUF means dequantising it in Python (transformers), converting the linears
-to int8 (thinkahead/models/quantize.py) and converting the tokenizer: minutes on a CPU for the two
+to int8 (thinkahead/models/engine/kernels/quantize.py) and converting the tokenizer: minutes on a CPU for the two
 default models. The result is the same every time, so the first load stores it and later loads
 map it from disk in seconds.
 
@@ -18,7 +18,7 @@ Layout, under the folder of prepared models (`registry.default_cache_dir()`, `$T
 - ``manifest.json``, written last: the key and every file's size and sha256.
 
 An entry of dtype "gguf" has no ``model.safetensors``: its weights are the GGUF file, memory-mapped
-(thinkahead/models/gguf_native.py); the entry saves converting the config and the tokenizer from
+(thinkahead/models/engine/weights/gguf_native.py); the entry saves converting the config and the tokenizer from
 the GGUF's metadata (about 17 s for the 1.5B here).
 
 The key (`CacheKey`) is the source's sha256 (the registry's checksum of a packaged GGUF; else a
@@ -55,7 +55,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from thinkahead.models.dtypes import GGUF, INT8
+from thinkahead.models.engine.dtypes import GGUF, INT8
 from thinkahead.models.registry import default_cache_dir
 
 logger = logging.getLogger(__name__)
@@ -134,7 +134,8 @@ def _code_digest(dtype: str) -> str:
     new weights."""
     if dtype != INT8:
         return ""
-    from thinkahead.models import fused_qwen2, quantize
+    from thinkahead.models.engine.qwen2 import fused_qwen2
+    from thinkahead.models.engine.kernels import quantize
 
     digest = hashlib.sha256()
     for module in (quantize, fused_qwen2):
@@ -359,13 +360,13 @@ def load_entry(root: Path, key: CacheKey, name_or_path: str, source_file: Path |
             if not _verified_before(entry, files):  # hashed while the model is built; returned only if it matches
                 check = pool.submit(_check_all, entry, files)
             if key.dtype == GGUF:
-                from thinkahead.models.gguf_native import rebuild_entry
+                from thinkahead.models.engine.weights.gguf_native import rebuild_entry
 
                 if source_file is None:
                     raise ValueError("an entry of dtype 'gguf' needs its GGUF file")
                 model, tokenizer = rebuild_entry(entry, source_file, name_or_path)
             else:
-                from thinkahead.models.weight_rebuild import rebuild
+                from thinkahead.models.engine.weights.rebuild import rebuild
 
                 model, tokenizer = rebuild(entry, entry / MODEL_FILE, key.dtype, name_or_path)
             if check is not None:
@@ -400,7 +401,7 @@ def _invalid(entry: Path, why: Exception) -> None:
 def store_entry(root: Path, key: CacheKey, model: Any, tokenizer: Any, convert_s: float | None = None) -> Path | None:
     """Write the entry for `key` (atomically: temp folder, manifest last, rename); its path, or None
     when the model cannot be cached or the disk refuses (logged: loading goes on without a cache)."""
-    from thinkahead.models.weight_rebuild import collect, write_safetensors
+    from thinkahead.models.engine.weights.rebuild import collect, write_safetensors
 
     final = entry_path(root, key)
     try:

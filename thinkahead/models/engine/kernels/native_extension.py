@@ -1,4 +1,4 @@
-"""Importing an optional compiled extension of thinkahead.models (setup.py builds them as optional) on
+"""Importing an optional compiled extension of the engine's kernels (setup.py builds them as optional) on
 first use: each kernel's module holds one `LazyExtension`."""
 
 from __future__ import annotations
@@ -6,9 +6,11 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
+PACKAGE = __name__.rsplit(".", 1)[0]  # the kernels' package: setup.py builds the extensions into it
+
 
 class LazyExtension:
-    """An optional extension of thinkahead.models imported on first use: `load()` gives the module, or
+    """An optional extension of the engine's kernels imported on first use: `load()` gives the module, or
     None where it cannot run (then `error` says why)."""
 
     def __init__(self, name: str, requirement: str) -> None:
@@ -25,14 +27,14 @@ class LazyExtension:
         return ext
 
     def load(self) -> ModuleType | None:
-        """`thinkahead.models.<name>` when it imports and its `cpu_supported()` is true, else None (and
+        """`thinkahead.models.engine.kernels.<name>` when it imports and its `cpu_supported()` is true, else None (and
         `error`: not built, or this CPU lacks `requirement`). Tried once."""
         if not self._tried:
             self._tried = True
             try:
-                module = importlib.import_module(f"thinkahead.models.{self.name}")
+                module = importlib.import_module(f"{PACKAGE}.{self.name}")
             except ImportError as exc:
-                self.error = f"the extension thinkahead.models.{self.name} is not built ({exc})"
+                self.error = f"the extension {PACKAGE}.{self.name} is not built ({exc})"
             else:
                 if module.cpu_supported():
                     self.module = module

@@ -9,12 +9,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from thinkahead.models.dtypes import AUTO, DTYPES, GGUF, INT8
-from thinkahead.models.load_progress import ConversionProgress
+from thinkahead.models.engine.dtypes import AUTO, DTYPES, GGUF, INT8
+from thinkahead.models.engine.weights.progress import ConversionProgress
 from thinkahead.models.registry import get_entry, prepare, prepared_path
 from thinkahead.models.specs import ModelSource, resolve_model_spec
 from thinkahead.models.templates import repair_chat_template
-from thinkahead.models.weight_cache import (
+from thinkahead.models.engine.weights.cache import (
     CacheKey,
     cache_enabled,
     cache_root,
@@ -44,9 +44,9 @@ def load_tokenizer(spec: str) -> Any:
 
 def _check_header(location: str, gguf_file: str | None) -> None:
     """A damaged GGUF file is refused here (`ModelFileError`, naming the file and the tensor), before any
-    work on it; its header is read once per state of the file (thinkahead/models/gguf_check.py)."""
+    work on it; its header is read once per state of the file (thinkahead/models/engine/weights/gguf_check.py)."""
     if gguf_file is not None:
-        from thinkahead.models.gguf_check import read_index
+        from thinkahead.models.engine.weights.gguf_check import read_index
 
         read_index(Path(location, gguf_file))
 
@@ -102,7 +102,7 @@ def _cache_key(source: ModelSource, location: str, gguf_file: str | None, dtype:
 
 def resolve_dtype(dtype: str, location: str, gguf_file: str | None) -> str:
     """`dtype`, with "auto" made concrete for a located model: "gguf" where the model is a GGUF file the
-    native kernel runs (thinkahead/models/gguf_native.py reads only its header), else "int8". Raises
+    native kernel runs (thinkahead/models/engine/weights/gguf_native.py reads only its header), else "int8". Raises
     `ModelFileError` for a damaged GGUF file."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
@@ -110,8 +110,8 @@ def resolve_dtype(dtype: str, location: str, gguf_file: str | None) -> str:
         return dtype
     if gguf_file is None:
         return INT8
-    from thinkahead.models.gguf_native import unsupported_reason
-    from thinkahead.models.kquant import unavailable_reason
+    from thinkahead.models.engine.weights.gguf_native import unsupported_reason
+    from thinkahead.models.engine.kernels.kquant import unavailable_reason
 
     # a damaged file raises (ModelFileError, from its header): it is an error whatever the dtype, not a
     # reason to fall back to int8, whose loader would fail on it later and worse
@@ -158,11 +158,11 @@ def load_causal_lm(
 
     GGUF sources load with ``from_pretrained(DIR, gguf_file=NAME)`` (weights are unpacked to
     `dtype`); hub ids and local directories load without gguf_file. The model is in eval mode.
-    `dtype="int8"` loads in bf16, then quantizes every linear layer (thinkahead/models/quantize.py).
-    `dtype="gguf"` (GGUF sources only) computes on the file's own blocks (thinkahead/models/gguf_native.py);
+    `dtype="int8"` loads in bf16, then quantizes every linear layer (thinkahead/models/engine/kernels/quantize.py).
+    `dtype="gguf"` (GGUF sources only) computes on the file's own blocks (thinkahead/models/engine/weights/gguf_native.py);
     `dtype="auto"` is gguf where that runs, else int8 (`resolve_dtype`).
 
-    The converted model is cached (thinkahead/models/weight_cache.py) under `cache_dir`'s
+    The converted model is cached (thinkahead/models/engine/weights/cache.py) under `cache_dir`'s
     ``weight-cache`` folder and memory-mapped by later loads, bit-identical; `weight_cache=False`
     (or ``THINKAHEAD_WEIGHT_CACHE=0``) converts every time. `progress`: a bar on stderr while a
     model converts (None: only when stderr is a terminal).
@@ -171,7 +171,7 @@ def load_causal_lm(
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     source = resolve_model_spec(spec)
     if dtype == GGUF:
-        from thinkahead.models.kquant import unavailable_reason
+        from thinkahead.models.engine.kernels.kquant import unavailable_reason
 
         if (why := unavailable_reason()) is not None:
             raise ValueError(f"dtype 'gguf' cannot run here: {why}; use dtype 'int8'")
@@ -202,7 +202,7 @@ def load_causal_lm(
 def _with_rotary_tables(model: Any, tokenizer: Any) -> tuple[Any, Any]:
     """Every model loaded here reads its rotary cos/sin from a table (exact_rotary.py), whatever its dtype:
     torch's threaded cos/sin gave part of a first forward's positions errors up to 1.5e-4 in some processes."""
-    from thinkahead.models.exact_rotary import use_exact_rotary
+    from thinkahead.models.engine.qwen2.exact_rotary import use_exact_rotary
 
     use_exact_rotary(model)
     return model, repair_chat_template(tokenizer)
@@ -216,11 +216,11 @@ def _convert(location: str, gguf_file: str | None, dtype: str, bar: ConversionPr
 
     bar.stage(STAGE_READ)
     if dtype == GGUF and gguf_file is not None:
-        from thinkahead.models.gguf_native import convert
+        from thinkahead.models.engine.weights.gguf_native import convert
 
         return convert(Path(location, gguf_file))
     if gguf_file is not None:  # NaN or infinite scales: refused before transformers dequantizes them
-        from thinkahead.models.gguf_check import read_index, scan_file
+        from thinkahead.models.engine.weights.gguf_check import read_index, scan_file
 
         scan_file(read_index(Path(location, gguf_file)))
     extra: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
@@ -229,7 +229,7 @@ def _convert(location: str, gguf_file: str | None, dtype: str, bar: ConversionPr
     tokenizer = AutoTokenizer.from_pretrained(location, **extra)
     model.eval()
     if dtype == INT8:
-        from thinkahead.models.quantize import quantize_int8
+        from thinkahead.models.engine.kernels.quantize import quantize_int8
 
         bar.stage(STAGE_INT8)
         model = quantize_int8(model)
