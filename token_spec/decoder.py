@@ -179,7 +179,7 @@ class SpeculativeDecoder:
         share: DraftShare | None = None,
     ) -> Rounds[GenerationResult]:
         """`generate` as a coroutine: it yields each target forward it needs (a `ForwardCall`) and is sent
-        its logits, so a scheduler can run the forwards of many generations together (batching.py).
+        its logits, so a scheduler can run the forwards of many generations together (models/engine/scheduler.py).
         `share` (from a scheduler) caps each round's draft by the batch's goodput plan."""
         gen = self._new_generation(prompt_ids, max_new_tokens, sampling, stop_token_ids, seed, request_id,
                                    stop_strings)
@@ -242,7 +242,7 @@ class SpeculativeDecoder:
             gen.session, stats.cached_tokens = self.prefix_pool.acquire(prompt)
         else:
             gen.session = self.engine.new_session()
-        if len(prompt) - 1 > stats.cached_tokens:  # a scheduler may run it in pieces (batching.py)
+        if len(prompt) - 1 > stats.cached_tokens:  # a scheduler may run it in pieces (models/engine/scheduler.py)
             yield ForwardCall(gen.session, prompt[stats.cached_tokens : -1], last_only=True)
         gen.prefill_s = time.perf_counter() - gen.started
         if self.drafter is not None:

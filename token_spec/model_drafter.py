@@ -85,7 +85,8 @@ class DraftModelDrafter:
 
     def propose_rounds(self, rid: Hashable, context: Sequence[int], budget: int) -> Rounds[Draft]:
         """`propose` as a coroutine: it yields each forward of the small model (a `ForwardCall` on its engine) and
-        is sent its logits, so a scheduler runs the drafts of many sequences in one forward (batching.py)."""
+        is sent its logits, so a scheduler runs the drafts of many sequences in one forward
+        (models/engine/scheduler.py)."""
         import torch
 
         live = self._request(rid)

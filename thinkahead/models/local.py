@@ -46,7 +46,7 @@ class LocalModel(LanguageModel):
             defined there); `**settings` are the same fields as keywords, in place of `engine`'s values
             (`LocalModel(spec, dtype="gguf", drafter="suffix")`). An unknown or bad one is a ValueError naming it.
             dtype: "bfloat16", "float32", "int8" (batch-invariant int8 linears over the dequantized weights) or
-            "gguf" (the GGUF file's own blocks, fastest on CPUs; GGUF models only); see models/dtypes.py.
+            "gguf" (the GGUF file's own blocks, fastest on CPUs; GGUF models only); see models/engine/dtypes.py.
             drafter: "auto" (the default) is "combined"; "hybrid" and "draft-model" need `draft`.
             kv_live_tokens: the KV tokens live generations may reserve in all (each its prompt and
             `max_new_tokens`); more wait for room.

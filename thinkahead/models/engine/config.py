@@ -3,7 +3,7 @@
 `LocalModel` takes them (`LocalModel(spec, engine=EngineConfig(...))`, or the same fields as keywords), a config
 file's `small:`/`large:` entries are `ModelConfig`s built on them (thinkahead/config.py), and the CLI, `serve`
 and the SDK read their defaults from here. The numbers behind each default sit with the name it reads:
-`DEFAULT_DTYPE` (models/dtypes.py), the drafter names, `MAX_DRAFT`, `PREFILL_CHUNK` and `MAX_BATCH_ROWS`
+`DEFAULT_DTYPE` (engine/dtypes.py), the drafter names, `MAX_DRAFT`, `PREFILL_CHUNK` and `MAX_BATCH_ROWS`
 (token_spec/names.py), `KV_SESSIONS`, `KV_MEMORY_SHARE` and `KV_LIVE_SHARE` (below). Threads are the process's
 (`THINKAHEAD_THREADS`, engine/weights/load.py), not a model's: torch has one pool.
 """
@@ -28,7 +28,7 @@ class EngineConfig(BaseModel, extra="forbid", frozen=True):
     """How a local model runs: its weights' dtype, token drafting, KV memory and batching."""
 
     dtype: str = Field(default=DEFAULT_DTYPE, description="auto (gguf for GGUF files the native kernel runs, else "
-                       "int8), gguf, int8, bfloat16 or float32 (models/dtypes.py)")
+                       "int8), gguf, int8, bfloat16 or float32 (engine/dtypes.py)")
     drafter: str = Field(default=AUTO_DRAFTER, description="token drafter: auto (combined) or a named one; "
                          "hybrid/draft-model (a large model) draft with the small local model")
     max_draft: int = Field(default=MAX_DRAFT, gt=0, description="draft tokens per verify round at most")

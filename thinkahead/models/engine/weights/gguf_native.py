@@ -7,7 +7,7 @@ views of the file's bytes (thinkahead/models/engine/kernels/kquant.py), read onc
 pages where the kernel offers them: huge_pages.py), plus the few float tensors (norms, biases). Nothing
 is dequantized or converted; the linears' blocks are rewritten in place into the kernel's layout (the
 same bytes, codes permuted: kquant.kernel_layout). A start costs the config and the tokenizer, which
-the weight cache keeps (weight_cache.py stores entries of dtype "gguf" without weights), one read of
+the weight cache keeps (cache.py stores entries of dtype "gguf" without weights), one read of
 the file and its rewrite.
 
 Architectures: qwen2 (the packaged Qwen2.5 models). Others are refused by name: llama-family GGUFs

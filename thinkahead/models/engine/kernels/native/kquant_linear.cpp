@@ -15,7 +15,7 @@
 //   integers (the scaled dot product, the mins term) meet the float scales in one fixed formula and
 //   order (kquant_dots.inc's epilogue), whichever path computed them: row by row (kquant_dots.inc),
 //   several rows per vector (the same), or tiles of 8 rows in the vector lanes (kquant_tiles.inc, from
-//   16 or 24 rows of x on, AVX-VNNI). Q4_0/Q5_0/Q8_0: per block, its integer dot product's 8 lanes times the block
+//   16 or 24 rows of x on, AVX-VNNI; 16 rows from 16 on in the 512-bit build). Q4_0/Q5_0/Q8_0: per block, its integer dot product's 8 lanes times the block
 //   scales' product (w.d * x.d), accumulated lane by lane in block order, the lanes summed last. Either way
 //   the result is bit-identical row by row, whatever M, the path or the thread.
 // - No fused contraction beyond the explicit fmadd (compiled with -ffp-contract=off).
@@ -30,6 +30,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -154,7 +155,7 @@ namespace isa_avx512 {  // 256-bit vectors (512-bit multiplies issue on one port
 }  // namespace isa_avx512
 #undef KQ_ZMM
 
-namespace isa_zmm {  // isa_avx512 with the Q4_K/Q6_K products in 512-bit vectors (its tiles are isa_avx512's)
+namespace isa_zmm {  // isa_avx512 with the Q4_K/Q6_K products in 512-bit vectors, and tiles of 16 rows of x
 #pragma GCC push_options
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // GCC 12's own _mm512_undefined_* in its 512-bit headers
@@ -250,7 +251,7 @@ int best_isa() {
 }
 
 std::atomic<int> chosen_isa{-1};  // -1: the best this CPU runs; set_isa (tests, benches)
-// Rows of x from which the K-quant parts run in tiles of 8 (the same bits as row by row). Below them the
+// Rows of x from which the K-quant parts run in tiles of 8 or 16 (the same bits as row by row). Below them the
 // row-by-row path is as fast or faster: passes of 4 rows (AVX-VNNI) up to 16 rows (1.5B layers: tiles
 // 1.0-1.3x its time at 8-12 rows, 0.85-1.02x at 16, 0.7x at 64), passes of 8 (AVX-512) up to 24 (1.5B
 // verify: tiles 1.08x the time at 16-20 rows, 0.98x at 24, 0.87x at 33, 0.79x at 48-65); tiles of 16 rows
@@ -446,7 +447,7 @@ PYBIND11_MODULE(_kquant_native, m) {
     m.def("set_tile_from", [](int64_t rows) {
         if (rows < TILE_FROM_AUTO) throw std::invalid_argument("set_tile_from: rows >= 0 (0: never), or -1 (by the ISA)");
         tile_from.store(rows);
-    }, py::arg("rows"), "rows of x from which K-quant parts run in tiles of 8 (the same results; for tests and benches)");
+    }, py::arg("rows"), "rows of x from which K-quant parts run in tiles of 8 or 16 (the same results; for tests and benches)");
     m.def("isa", &isa, "which build of the dot products runs: the best of avx512vnni(-zmm), avxvnni, avx2 the CPU has");
     m.def("set_isa", &set_isa, py::arg("name"),
           "avx2, avxvnni, avx512vnni or avx512vnni-zmm (the same results; for tests and benches)");
