@@ -330,8 +330,9 @@ def test_a_kv_budget_admits_what_fits_in_arrival_order_and_never_drops_work(engi
     expected = [plain_greedy(engine, p, 8) for p in prompts]
     for budget, widest in ((40, 2), (20, 1)):  # 18 tokens each: two fit in 40, one in 20
         sizes.clear()
-        scheduler, gate = BatchScheduler(engine, max_tokens=budget), Future()
-        scheduler.submit(lambda: gate.result(timeout=30))  # holds the thread until all four are queued
+        scheduler, gate, holding = BatchScheduler(engine, max_tokens=budget), Future(), threading.Event()
+        scheduler.submit(lambda: holding.set() or gate.result(timeout=30))  # holds the thread until all four are queued
+        assert holding.wait(timeout=30)
         futures = [scheduler.submit(lambda p=p: decoder.rounds(p, 8, stop_token_ids=[]), tokens=len(p) + 8)
                    for p in prompts]
         gate.set_result(None)

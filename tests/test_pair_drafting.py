@@ -4,7 +4,7 @@ model's own work; greedy output stays the plain greedy output; the token stats s
 
 from __future__ import annotations
 
-import time
+import threading
 from concurrent.futures import Future
 
 import pytest
@@ -104,9 +104,12 @@ def test_a_draft_models_forward_joins_the_small_models_batch(paths, monkeypatch)
         return (yield ForwardCall(draft_engine.new_session(), tokens[:4]))
 
     gate: Future = Future()
-    scheduler.submit(lambda: gate.result(timeout=30))  # holds the thread until both are queued
+    holding = threading.Event()
+    # holds the thread until both are queued (waiting until it holds: a thread that had not yet admitted the gate
+    # could admit it with the first and step before the second is queued)
+    scheduler.submit(lambda: holding.set() or gate.result(timeout=30))
+    assert holding.wait(timeout=30)
     first, second = lane.submit(drafting), scheduler.submit(own)
-    time.sleep(0.05)
     gate.set_result(None)
     drafted, verified = first.result(timeout=60)
     mine = second.result(timeout=60)
