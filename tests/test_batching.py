@@ -196,19 +196,6 @@ def test_goodput_allocation_speculates_where_drafts_hit_and_backs_off_as_the_bat
     assert flat == [64]
 
 
-def test_the_goodput_plans_cost_curve_is_measured_on_decode_steps_only(engine) -> None:
-    """A step that reads a prompt costs what the prompt's rows and context cost, not what drafted rows would: the
-    curve that prices draft rows learns from decode (and verify) steps alone."""
-    decoder = build_decoder("none", engine)
-    scheduler = BatchScheduler(engine)
-    try:
-        out = scheduler.submit(lambda: decoder.rounds(prompt(3, 20), 6, stop_token_ids=[])).result(timeout=60)
-    finally:
-        scheduler.close()
-    assert len(out.token_ids) == 6
-    assert set(scheduler.cost.measured) == {0}  # one-row decode steps; never the 20-row prompt (19)
-
-
 def test_a_long_prompt_joins_in_pieces_while_others_decode_and_every_output_is_exact(engine, monkeypatch) -> None:
     decoder = build_decoder("none", engine)
     short = [prompt(s, 6) for s in range(3)]

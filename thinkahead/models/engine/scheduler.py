@@ -423,8 +423,7 @@ class BatchScheduler:
         t0 = time.perf_counter()
         try:
             results = engine.forward_batch(calls)
-            if not any(c.last_only for c in calls):  # the plan prices decode rows: a prompt's piece costs otherwise
-                lane.cost.update(sum(len(c.token_ids) for c in calls) - 1, time.perf_counter() - t0)
+            lane.cost.update(sum(len(c.token_ids) for c in calls) - 1, time.perf_counter() - t0)
         except Exception:  # noqa: BLE001 - find whose call it was: the batch checks before it changes a cache
             logger.debug("a batch of %d calls failed; running them one by one", len(calls), exc_info=True)
             results = []
