@@ -36,8 +36,7 @@ from urllib.parse import urlparse
 
 from thinkahead.models.base import (
     Completion, GenerationRequest, LanguageModel, TokenLogprob, TokenScore, encode_prompt, observed, prompt_text,
-    render_chat,
-    render_plain, resolve_tokenizer,
+    render_chat, render_plain, resolve_tokenizer,
 )
 from thinkahead.models.http import DEFAULT_CALL_TIMEOUT_S, HttpClient, ModelServerError, bearer_headers
 from thinkahead.token_spec.grammar import plain_schema

@@ -120,6 +120,7 @@ struct Job {
 
 // ---- the dot products, compiled for each ISA (kquant_dots.inc) ------------------------------------
 
+#define KQ_ZMM 0  // the 256-bit builds
 namespace isa_avx2 {
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
@@ -141,7 +142,6 @@ namespace isa_vnni {
 #pragma GCC pop_options
 }  // namespace isa_vnni
 
-#define KQ_ZMM 0
 namespace isa_avx512 {  // 256-bit vectors (512-bit multiplies issue on one port on some CPUs), EVEX's 32 registers
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")
@@ -279,6 +279,15 @@ void set_isa(const std::string& name) {
     throw std::invalid_argument("isa: avx2, avxvnni, avx512vnni or avx512vnni-zmm");
 }
 
+// x's first `rows` rows (Q8K [rows][nb]) in tiles of W, in this thread's scratch (valid until its next call).
+template <int W>
+const void* job_tiles(const Q8K* x, int64_t rows, int64_t nb) {
+    thread_local std::vector<XTileW<W>> tiles;
+    tiles.resize(static_cast<size_t>((rows + W - 1) / W * nb));
+    make_tiles(x, rows, nb, tiles.data());
+    return tiles.data();
+}
+
 // out[M, N] = x[M, K] @ W.T (+ bias) for a linear stored in parts: part p holds output columns
 // [offset_p, offset_p + rows_p) as a ggml tensor of `types[p]` ([rows_p, K] in its blocks), bias[p] null or
 // its rows_p biases. Pointers address tensors the caller keeps alive. No Python: runs without the GIL.
@@ -317,28 +326,17 @@ void linear_parts(const float* xf, int64_t M, int64_t K, const int* types, const
         xk.resize(static_cast<size_t>(M * (K / QK_K)));
         for (int64_t m = 0; m < M; ++m) quantize_q8k(xf + m * K, K, xk.data() + m * (K / QK_K));
         job.xk = xk.data();
-        const int64_t set = tile_from.load();
-        const int64_t from = set != TILE_FROM_AUTO         ? set
-                             : tile_width(job.isa) == TILE16 ? TILE_FROM_ROWS_16
-                             : rows_per_pass(job.isa) == 8   ? TILE_FROM_ROWS_8
-                                                             : TILE_FROM_ROWS_4;
-        const int64_t width = tile_width(job.isa);
+        const int64_t set = tile_from.load(), width = tile_width(job.isa);
+        const int64_t from = set != TILE_FROM_AUTO       ? set
+                             : width == TILE16            ? TILE_FROM_ROWS_16
+                             : rows_per_pass(job.isa) == 8 ? TILE_FROM_ROWS_8
+                                                           : TILE_FROM_ROWS_4;
         if (job.isa != AVX2 && from > 0 && M >= from && M >= width) {
             // Rows left over past the last full tile: a partial tile from a share of a tile on (see
             // TILE_PARTIAL_ROWS), else row by row (a row costs about a quarter of a tile's instructions).
             job.tiled = M % width * TILE >= TILE_PARTIAL_ROWS * width ? M : M / width * width;
-            const auto tiles = static_cast<size_t>((job.tiled + width - 1) / width * (K / QK_K));
-            if (width == TILE16) {
-                thread_local std::vector<XTileW<TILE16>> xt;
-                xt.resize(tiles);
-                make_tiles(xk.data(), job.tiled, K / QK_K, xt.data());
-                job.xt = xt.data();
-            } else {
-                thread_local std::vector<XTileW<TILE>> xt;
-                xt.resize(tiles);
-                make_tiles(xk.data(), job.tiled, K / QK_K, xt.data());
-                job.xt = xt.data();
-            }
+            job.xt = width == TILE16 ? job_tiles<TILE16>(xk.data(), job.tiled, K / QK_K)
+                                     : job_tiles<TILE>(xk.data(), job.tiled, K / QK_K);
         }
     }
     if (need_b) {
