@@ -73,7 +73,8 @@ def main() -> None:
     questions = [r["question"] for r in gsm8k("test")[400:400 + max(streams)]]
     load = os.getloadavg()
     model = LocalModel(args.model, dtype="gguf", drafter="suffix")
-    asyncio.run(together(model, [request("Two plus two.", 4)]))  # warm
+    # warm, two at once: the scheduler measures its forward cost by rows (once per engine) before any arm runs
+    asyncio.run(together(model, [request("Two plus two.", 4), request("Three times three.", 4)]))
     rates: dict[str, dict[int, float]] = {arm: {} for arm in arms}
     for n in streams:
         for arm in arms:

@@ -20,7 +20,8 @@ from thinkahead.models.engine.weights import gguf_native
 from thinkahead.models.base import GenerationRequest
 from thinkahead.models.local import LocalModel
 from thinkahead.models.engine.runner import HFEngine
-from thinkahead.models.engine.scheduler import BatchScheduler, allocate
+from thinkahead.models.engine.goodput import allocate
+from thinkahead.models.engine.scheduler import BatchScheduler
 from thinkahead.token_spec.decoder import plain_greedy
 from thinkahead.token_spec.presets import build_decoder
 from thinkahead.token_spec.suffix_cache import SuffixCache

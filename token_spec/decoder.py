@@ -24,13 +24,13 @@ from thinkahead.token_spec.draft import Draft
 from thinkahead.token_spec.drafters import Drafter
 from thinkahead.token_spec.engine import DraftShare, ForwardCall, Rounds, run_inline
 from thinkahead.token_spec.grammar import Constraint
-from thinkahead.token_spec.names import MODEL_DRAFT_SOURCE, common_prefix_len
+from thinkahead.token_spec.names import ACCEPT_PRIOR, MODEL_DRAFT_SOURCE, common_prefix_len
 from thinkahead.token_spec.prefix_pool import KVPrefixPool
 from thinkahead.token_spec.stats import SpecStats
 from thinkahead.token_spec.verify import Acceptance, SamplingParams, verify_greedy, verify_sampling
 
 
-ACCEPT_PRIOR, ACCEPT_SMOOTHING = 0.5, 0.25  # a generation's acceptance estimate: its start, its moving average
+ACCEPT_SMOOTHING = 0.25  # a generation's acceptance estimate: how far one round moves it
 _GENERATIONS = itertools.count()  # numbers every generation of the process (its drafter request id)
 
 
@@ -184,6 +184,8 @@ class SpeculativeDecoder:
         gen = self._new_generation(prompt_ids, max_new_tokens, sampling, stop_token_ids, seed, request_id,
                                    stop_strings)
         gen.constraint, gen.share = constraint, share
+        if share is not None:
+            gen.accept_rate = share.prior
         yield from self._prefill(gen, session_id)
         try:
             while not gen.done:

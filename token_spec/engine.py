@@ -59,6 +59,10 @@ class TargetEngine(Protocol):
 class DraftShare(Protocol):
     """A generation's view of the batch it runs in (given by the scheduler)."""
 
+    @property
+    def prior(self) -> float:
+        """The acceptance rate a new sequence's estimate starts from: what its engine's sequences have shown."""
+
     def limit(self, accept_rate: float) -> int:
         """The most draft tokens this sequence may verify next round, given its drafts' acceptance rate."""
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+ACCEPT_PRIOR = 0.5  # a generation's draft acceptance estimate before its first round (nothing else known)
 MAX_DRAFT = 64  # draft tokens per verify round at most: the default of the config, LocalModel, build_decoder, simulate
 # (1.5B on 2 CPU cores, self-refine rewrites: 32 makes them ~15% faster than 16, 64 another ~10% than 32
 # (a verify's fixed cost, streaming the weights, spread over twice the tokens); the adaptive controller

@@ -26,13 +26,12 @@ for one piece per step at most; a step holds at most `max_rows` rows (decode rou
 chunks, the shortest prompt left first, so one that joins beside a long prompt is not held behind it; at least
 one call per step). Speculation is sized by goodput (SmartSpec): after
 each forward the scheduler plans every sequence's next draft length from its acceptance rate and the
-measured cost of a forward by its rows (`allocate`), so it speculates where drafts hit and backs off as the
+measured cost of a forward by its rows (`goodput.allocate`), so it speculates where drafts hit and backs off as the
 batch fills; a sequence alone is left to its decoder's own controller.
 """
 
 from __future__ import annotations
 
-import heapq
 import inspect
 import logging
 import threading
@@ -43,9 +42,10 @@ from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
-from thinkahead.token_spec.controller import CostCurve
+from thinkahead.models.engine.goodput import RowCost, allocate, measure_rows
 from thinkahead.token_spec.engine import ForwardCall, Rounds, TargetEngine
-from thinkahead.token_spec.names import MAX_BATCH_ROWS, MAX_DRAFT, PREFILL_CHUNK
+from thinkahead.token_spec.controller import moving_average
+from thinkahead.token_spec.names import ACCEPT_PRIOR, MAX_BATCH_ROWS, MAX_DRAFT, PREFILL_CHUNK
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -53,32 +53,7 @@ T = TypeVar("T")
 # A prompt passed over this many steps by shorter ones is read first (with 64-row pieces, an 8k-token prompt
 # yields for at most 8 steps in a row, then takes a piece).
 PREFILL_PATIENCE = 8
-INITIAL_ACCEPT = 0.5  # a sequence's acceptance rate before its decoder reports one
-COST_SLOPE = 0.09  # a forward's cost per extra row relative to one row, before any is measured (1.5B: 8 rows 1.6x)
-
-
-def allocate(accept_rates: list[float], cost: Callable[[int], float], most: int = MAX_DRAFT) -> list[int]:
-    """Draft lengths for sequences with these acceptance rates that maximise the expected tokens per second of
-    one forward (SmartSpec's goodput): a sequence drafting k tokens at rate a commits 1 + a + ... + a^k tokens on
-    average, and the forward of R rows in all costs `cost(R - 1)` seconds. Greedy: the next draft token goes to
-    the sequence whose next token is likeliest accepted, while it raises tokens per second."""
-    n = len(accept_rates)
-    lengths = [0] * n
-    if n == 0:
-        return lengths
-    rates = [min(max(a, 0.0), 0.999) for a in accept_rates]
-    heap = [(-a, i) for i, a in enumerate(rates) if a > 0]
-    heapq.heapify(heap)
-    expected, rows = float(n), n
-    while heap:
-        gain, i = heapq.heappop(heap)
-        gain = -gain
-        if (expected + gain) / cost(rows) <= expected / cost(rows - 1):
-            break
-        expected, rows, lengths[i] = expected + gain, rows + 1, lengths[i] + 1
-        if lengths[i] < most:
-            heapq.heappush(heap, (-gain * rates[i], i))
-    return lengths
+PRIOR_SMOOTHING = 0.1  # how far one sequence's reported acceptance moves its engine's prior for new ones
 
 
 class _Share:
@@ -93,6 +68,10 @@ class _Share:
         return self._scheduler._limit(self._item, accept_rate)
 
     @property
+    def prior(self) -> float:
+        return self._item.lane.prior
+
+    @property
     def alone(self) -> bool:
         item = self._item
         return item.batch <= 1 and self._scheduler._on_lane(item.lane) <= 1
@@ -105,7 +84,9 @@ class _Engine:
     engine: TargetEngine
     prefill_chunk: int | None  # prefills are cut into pieces only where that gives the same bits (_batch)
     max_tokens: int | None = None  # KV tokens its live sequences may reserve in all (None: no limit)
-    cost: CostCurve = field(default_factory=lambda: CostCurve(smoothing=0.25, prior_slope=COST_SLOPE))  # rows - 1 -> s
+    cost: RowCost = field(default_factory=lambda: RowCost())  # rows - 1 -> s
+    prior: float = ACCEPT_PRIOR  # what its sequences' drafts have shown: where a new one's estimate starts
+    calibrating: bool = True  # its cost curve is still to be measured (once, when it first batches sequences)
 
 
 @dataclass(slots=True)
@@ -119,7 +100,7 @@ class _Live:
     call: ForwardCall | None = None
     joined: float = field(default_factory=time.perf_counter)
     cancelled: bool = False  # set from any thread: the work leaves the batch before its next step
-    accept: float = INITIAL_ACCEPT  # its drafts' acceptance rate, as its decoder last said
+    accept: float = ACCEPT_PRIOR  # its drafts' acceptance rate, as its decoder last said
     batch: int = 1  # sequences in its last forward
     tokens: int = 0  # the KV tokens it may grow to (its prompt and longest output), reserved while it is live
     passed: int = 0  # steps its prompt waited while shorter ones were read first
@@ -161,7 +142,7 @@ class BatchScheduler:
         self.peak_batch = 0  # most sequences in one forward
 
     @property
-    def cost(self) -> CostCurve:
+    def cost(self) -> RowCost:
         """The measured cost of a forward of the main engine by its rows (rows - 1 -> seconds)."""
         return self._main.cost
 
@@ -238,6 +219,7 @@ class BatchScheduler:
         """The most draft tokens `item` may verify next: its decoder decides alone; in a batch, the goodput plan
         made from every sequence's acceptance rate after the last forward."""
         item.accept = accept_rate
+        item.lane.prior = moving_average(item.lane.prior, accept_rate, PRIOR_SMOOTHING)
         if not self.goodput or self._on_lane(item.lane) <= 1:
             return MAX_DRAFT
         return self._plan.get(id(item), 0)
@@ -412,6 +394,21 @@ class BatchScheduler:
         engine = item.call.engine
         return item.lane if engine is None or engine is item.lane.engine else self._engine(engine)
 
+    def _calibrate(self, lane: _Engine) -> None:
+        """Measure `lane`'s forward cost by rows, once (row_cost.py), where its engine batches rows."""
+        if not lane.calibrating:
+            return
+        lane.calibrating = False
+        if lane.prefill_chunk is None:  # calls run one by one: the rows' cost is the calls', a line
+            return
+        try:
+            lane.cost.calibrate(measure_rows(lane.engine))
+        except Exception:  # noqa: BLE001 - the plan then learns the curve from its steps, as before
+            logger.warning("measuring the forward cost of %s failed; the goodput plan learns it online", self.name,
+                           exc_info=True)
+            return
+        logger.info("%s: a forward's cost by rows (ms): %s", self.name, lane.cost.describe())
+
     def _step(self, lane: _Engine) -> None:
         batch = self._batch(lane)
         if not batch:
@@ -433,7 +430,10 @@ class BatchScheduler:
                 except Exception as exc:  # noqa: BLE001 - thrown into its own generation
                     results.append(exc)
         live = [i for i in self._live if i.lane is lane]
-        self._plan.update(zip(map(id, live), allocate([i.accept for i in live], lane.cost)))
+        if len(live) > 1 and self.goodput:
+            self._calibrate(lane)
+            self._plan.update(zip(map(id, live), allocate([i.accept for i in live], lane.cost,
+                                                           max_rows=self.max_rows)))
         for (item, call, whole), out in zip(batch, results):
             if item.lane is lane:  # its own forward (a draft model's says nothing of its verify's cost)
                 item.batch = len(batch)
