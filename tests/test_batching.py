@@ -267,8 +267,8 @@ def test_a_short_prompt_joining_beside_a_long_one_is_read_first_and_the_long_one
 @pytest.mark.slow
 def test_the_real_05b_serves_eight_concurrent_prompts_with_mixed_drafters_exactly() -> None:
     """Qwen2.5-Coder-0.5B Q4_K_M (dtype gguf): 8 different chat prompts at once, half through the suffix drafter
-    (the suffix cache holding earlier outputs, so drafts hit) and half plain, three joining late; each reply's
-    tokens equal its solo plain greedy tokens."""
+    (the suffix cache holding earlier outputs, so drafts hit, and the goodput plan drafts for them) and half plain,
+    three joining late; each reply's tokens equal its solo plain greedy tokens."""
     model = LocalModel("qwen2.5-coder-0.5b", dtype="gguf", drafter="suffix", name="real-0.5b")
     assert model.engine.batches_rows
     topics = ["a binary search", "a stack", "a queue", "merge sort", "a linked list", "quick sort", "a hash map",
@@ -276,6 +276,9 @@ def test_the_real_05b_serves_eight_concurrent_prompts_with_mixed_drafters_exactl
     requests = [GenerationRequest(messages=[{"role": "user", "content": f"Write a Python class for {t}, briefly."}],
                 max_new_tokens=40, temperature=0, speculative=i % 2 == 0) for i, t in enumerate(topics)]
     alone = [model.generate_sync(dataclasses.replace(r, speculative=False)) for r in requests]
+    for _ in range(2):  # the suffix cache learns the replies; then the engine's sequences have shown that drafts hit
+        for r in requests[::2]:
+            model.generate_sync(r)
     sizes = counting(model.engine, pytest.MonkeyPatch())
 
     async def together():

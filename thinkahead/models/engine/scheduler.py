@@ -100,7 +100,7 @@ class _Live:
     call: ForwardCall | None = None
     joined: float = field(default_factory=time.perf_counter)
     cancelled: bool = False  # set from any thread: the work leaves the batch before its next step
-    accept: float = ACCEPT_PRIOR  # its drafts' acceptance rate, as its decoder last said
+    accept: float = 0.0  # its drafts' acceptance rate, as its decoder last said (none asked yet: no drafts)
     batch: int = 1  # sequences in its last forward
     tokens: int = 0  # the KV tokens it may grow to (its prompt and longest output), reserved while it is live
     passed: int = 0  # steps its prompt waited while shorter ones were read first
