@@ -8,15 +8,18 @@ import pytest
 pytest.importorskip("thinkahead.models.engine.kernels._kquant_native")
 
 from thinkahead.models.engine import goodput
-from thinkahead.models.engine.goodput import RowCost, allocate, measure_rows
+from thinkahead.models.engine.goodput import TRUST_MIN, RowCost, Trust, allocate, measure_rows
 from thinkahead.models.engine.scheduler import BatchScheduler
-from thinkahead.token_spec.decoder import plain_greedy
+from thinkahead.token_spec.controller import FixedController
+from thinkahead.token_spec.decoder import SpeculativeDecoder, plain_greedy
+from thinkahead.token_spec.draft import Draft
 from thinkahead.token_spec.engine import run_inline
 from thinkahead.token_spec.names import ACCEPT_PRIOR
 from thinkahead.token_spec.presets import build_decoder
 
 from tests.test_batching import engine, gguf_path, prompt  # noqa: F401 (fixtures)
 from tests.test_gguf_native import tiny_config, tiny_gguf  # noqa: F401 (fixture)
+from tests.tiny_models import VOCAB
 
 
 def tiles(k: int) -> float:
@@ -108,3 +111,72 @@ def test_a_new_sequence_starts_from_what_its_engines_sequences_have_shown(engine
     run_inline(engine, build_decoder("suffix", engine).rounds(prompt(1, 12), 4, stop_token_ids=[], share=share))
     assert share.rates[0] == 0.9  # its estimate began at the batch's prior, not at ACCEPT_PRIOR
     scheduler.close()
+
+
+def test_the_plans_trust_follows_what_its_drafts_kept_and_comes_back_when_it_stops_drafting() -> None:
+    trust = Trust()
+    assert trust.factor == 1.0  # nothing verified yet
+    for _ in range(200):  # drafts that keep a third of what the estimates expected
+        trust.update(3.0, 1)
+        trust.step()
+    assert trust.factor == pytest.approx(1 / 3, abs=0.03)
+    def line(k: int) -> float:
+        return 1 + 0.15 * k
+
+    assert allocate([0.8] * 4, line) != [0] * 4 and allocate([0.8] * 4, line, trust=trust.factor) == [0] * 4
+    for _ in range(200):  # no drafts: the record fades, so the plan will try again
+        trust.step()
+    assert trust.factor > 0.95
+    for _ in range(50):
+        trust.update(5.0, 0)
+    assert trust.factor == TRUST_MIN  # bounded: never prices drafts at nothing
+    with pytest.raises(ValueError, match="must be >= 0"):
+        trust.update(-1.0, 0)
+
+
+class FirstTokenDrafter:
+    """Drafts the right next token (it knows the greedy reply) followed by wrong ones."""
+
+    name, model_free = "first-token", True
+
+    def __init__(self, prompt: list[int], reply: list[int]) -> None:
+        self.prompt, self.reply = prompt, reply
+
+    def start(self, rid, prompt_ids, params, session_id=None) -> None:
+        pass
+
+    def propose(self, rid, context, budget: int) -> Draft:
+        i = len(context) - len(self.prompt)
+        if i >= len(self.reply) or budget <= 0:
+            return Draft()
+        after = self.reply[i + 1] if i + 1 < len(self.reply) else 0
+        return Draft.chain([self.reply[i], (after + 1) % VOCAB, (after + 2) % VOCAB])
+
+    def observe(self, rid, accepted, proposed) -> None:
+        pass
+
+    def finish(self, rid) -> None:
+        pass
+
+
+def test_a_sequences_estimate_weighs_every_depth_of_its_unverified_drafts(engine) -> None:
+    # Drafts whose first token always hits and whose second never does accept one token in two tries per draft;
+    # checking only each draft's first token (as before) took them for drafts that always hit.
+    p = prompt(2, 14)
+    reply = plain_greedy(engine, p, 40)
+
+    class Share:  # a batch that gives no room: every draft is a probe
+        prior, alone, rates = 0.5, False, []
+
+        def limit(self, rate: float) -> int:
+            self.rates.append(rate)
+            return 0
+
+        def verified(self, expected: float, accepted: int) -> None:
+            raise AssertionError("nothing was verified")
+
+    share = Share()
+    decoder = SpeculativeDecoder(engine, FirstTokenDrafter(p, reply), FixedController(8))
+    out = run_inline(engine, decoder.rounds(p, 40, stop_token_ids=[], share=share))
+    assert out.token_ids == reply
+    assert 0.4 < share.rates[-1] < 0.6

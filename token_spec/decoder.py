@@ -31,6 +31,7 @@ from thinkahead.token_spec.verify import Acceptance, SamplingParams, verify_gree
 
 
 ACCEPT_SMOOTHING = 0.25  # a generation's acceptance estimate: how far one round moves it
+PENDING_PROBES = 8  # unverified drafts a generation checks against the tokens it keeps, at most
 _GENERATIONS = itertools.count()  # numbers every generation of the process (its drafter request id)
 
 
@@ -69,6 +70,7 @@ class _Generation:
     share: DraftShare | None = None  # its batch, where a scheduler runs it: caps its drafts
     accept_rate: float = ACCEPT_PRIOR  # its own drafts' acceptance (a moving average over rounds)
     context: list[int] = field(default_factory=list)  # prompt + committed output
+    probes: list[tuple[list[int], int]] = field(default_factory=list)  # unverified drafts: tokens, next to check
     output: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)  # of each output token, from the verify rows
     finish: str = "length"
@@ -345,6 +347,9 @@ class SpeculativeDecoder:
             stats.model_drafts += len(rnd.draft)
             stats.model_correct_drafts += accepted
         stats.grammar_forced_drafts += rnd.forced
+        if gen.share is not None and len(rnd.draft) and not gen.share.alone:  # the plan sized it: say how it went
+            a = min(gen.accept_rate, 0.999)
+            gen.share.verified(a * (1 - a ** len(rnd.draft)) / (1 - a), accepted)
         gen.accept_rate = moved_accept_rate(gen.accept_rate, len(rnd.draft), accepted)
         if gen.share is None or gen.share.alone:  # a shared forward's time is not this round's verify cost
             self.controller.update(len(rnd.draft), accepted, rnd.fed, rnd.forward_s)
@@ -356,7 +361,8 @@ class SpeculativeDecoder:
             checked = min(len(probe), len(rnd.tokens))
             hits = common_prefix_len(probe.token_ids, rnd.tokens)
             self.controller.update(checked, hits)
-            gen.accept_rate = moved_accept_rate(gen.accept_rate, checked, hits)
+            gen.probes.append((first_chain(probe), 0))
+        check_probes(gen, rnd.tokens)
 
     def _check_stop_string(self, gen: _Generation, rnd: _Round) -> None:
         """Cut the round's tokens after the one that completes a stop string, if any does. A stop token
@@ -422,6 +428,37 @@ class SpeculativeDecoder:
         if eos is None:
             return []
         return list(eos) if isinstance(eos, (list, tuple)) else [eos]
+
+
+def first_chain(draft: Draft) -> list[int]:
+    """A draft's tokens along its first path (all of a chain's)."""
+    n = 1
+    while n < len(draft.token_ids) and draft.parents[n] == n - 1:
+        n += 1
+    return draft.token_ids[:n]
+
+
+def check_probes(gen: _Generation, tokens: list[int]) -> None:
+    """Check `gen`'s unverified drafts against the tokens it just kept: each draft token is a try, a miss ends its
+    draft, and the acceptance estimate moves once, by the round's share of hits. A draft is checked over the rounds
+    after it, so the estimate weighs every depth of a draft, as a verify would, not only its first token (on
+    chains of thought the first token of a suffix match hits far more often than the ones after it)."""
+    hits = tries = 0
+    pending = []
+    for chain, at in gen.probes:
+        for token in tokens:
+            tries += 1
+            if chain[at] != token:
+                at = -1
+                break
+            hits, at = hits + 1, at + 1
+            if at == len(chain):
+                break
+        if 0 <= at < len(chain):
+            pending.append((chain, at))
+    gen.probes = pending[-PENDING_PROBES:]
+    if tries:
+        gen.accept_rate += ACCEPT_SMOOTHING * (hits / tries - gen.accept_rate)
 
 
 def moved_accept_rate(rate: float, proposed: int, accepted: int) -> float:

@@ -66,6 +66,10 @@ class DraftShare(Protocol):
     def limit(self, accept_rate: float) -> int:
         """The most draft tokens this sequence may verify next round, given its drafts' acceptance rate."""
 
+    def verified(self, expected: float, accepted: int) -> None:
+        """A draft it was given room for was verified: `expected` draft tokens accepted by its estimate (before the
+        round), `accepted` in fact."""
+
     @property
     def alone(self) -> bool:
         """Whether its last forward ran it alone (that forward's time is then its own verify cost) and no other

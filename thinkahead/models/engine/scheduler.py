@@ -42,7 +42,7 @@ from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
-from thinkahead.models.engine.goodput import RowCost, allocate, measure_rows
+from thinkahead.models.engine.goodput import RowCost, Trust, allocate, measure_rows
 from thinkahead.token_spec.engine import ForwardCall, Rounds, TargetEngine
 from thinkahead.token_spec.controller import moving_average
 from thinkahead.token_spec.names import ACCEPT_PRIOR, MAX_BATCH_ROWS, MAX_DRAFT, PREFILL_CHUNK
@@ -71,6 +71,9 @@ class _Share:
     def prior(self) -> float:
         return self._item.lane.prior
 
+    def verified(self, expected: float, accepted: int) -> None:
+        self._item.lane.trust.update(expected, accepted)
+
     @property
     def alone(self) -> bool:
         item = self._item
@@ -86,6 +89,7 @@ class _Engine:
     max_tokens: int | None = None  # KV tokens its live sequences may reserve in all (None: no limit)
     cost: RowCost = field(default_factory=lambda: RowCost())  # rows - 1 -> s
     prior: float = ACCEPT_PRIOR  # what its sequences' drafts have shown: where a new one's estimate starts
+    trust: Trust = field(default_factory=Trust)  # how far the plan's expected accepted tokens came true
     calibrating: bool = True  # its cost curve is still to be measured (once, when it first batches sequences)
 
 
@@ -432,8 +436,9 @@ class BatchScheduler:
         live = [i for i in self._live if i.lane is lane]
         if len(live) > 1 and self.goodput:
             self._calibrate(lane)
+            lane.trust.step()
             self._plan.update(zip(map(id, live), allocate([i.accept for i in live], lane.cost,
-                                                           max_rows=self.max_rows)))
+                                                           max_rows=self.max_rows, trust=lane.trust.factor)))
         for (item, call, whole), out in zip(batch, results):
             if item.lane is lane:  # its own forward (a draft model's says nothing of its verify's cost)
                 item.batch = len(batch)
