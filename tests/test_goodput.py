@@ -180,3 +180,16 @@ def test_a_sequences_estimate_weighs_every_depth_of_its_unverified_drafts(engine
     out = run_inline(engine, decoder.rounds(p, 40, stop_token_ids=[], share=share))
     assert out.token_ids == reply
     assert 0.4 < share.rates[-1] < 0.6
+
+
+def test_sequences_that_never_draft_cost_no_calibration(engine, monkeypatch) -> None:
+    calls = []
+    monkeypatch.setattr("thinkahead.models.engine.scheduler.measure_rows", lambda e: calls.append(e) or {0: 1.0})
+    decoder = build_decoder("none", engine)
+    scheduler = BatchScheduler(engine, prefill_chunk=8)
+    jobs = [prompt(s, 10) for s in range(3)]
+    futures = [scheduler.submit(lambda p=p: decoder.rounds(p, 12, stop_token_ids=[], share=scheduler.share()))
+               for p in jobs]
+    assert [f.result(timeout=60).token_ids for f in futures] == [plain_greedy(engine, p, 12) for p in jobs]
+    assert scheduler.peak_batch > 1 and calls == []  # they shared forwards, and nothing was measured for a plan
+    scheduler.close()

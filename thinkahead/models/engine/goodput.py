@@ -11,7 +11,7 @@ On a CPU the curve is not a line either. The GGUF kernels read the weights once 
 once per tile of 16 rows beyond (kernels/native/kquant_tiles.inc), so rows cost most in the first few and
 least in full tiles (the 1.5B on a Zen 5, ms by rows: 1: 33, 8: 92, 16: 140, 32: 210, 64: 332).
 
-So `measure_rows` times real forwards of `CALIBRATION_ROWS` rows once (a scratch sequence, min of two),
+So `measure_rows` times real forwards of `CALIBRATION_ROWS` rows once (a scratch sequence),
 `RowCost` interpolates between them, and each step's measured time moves only the curve's level (a moving
 average of measured / calibrated): a longer KV or a busy machine raises every size alike, while the shape
 stays the engine's. An engine that was never calibrated falls back to `CostCurve`'s line.
@@ -31,9 +31,11 @@ from thinkahead.token_spec.names import MAX_DRAFT
 
 logger = logging.getLogger(__name__)
 
-CALIBRATION_ROWS = (1, 2, 4, 8, 16, 24, 32, 48, 64)  # forward sizes timed once per engine
-CALIBRATION_CONTEXT = 64  # tokens of KV the calibrated rows attend to
-CALIBRATION_REPEATS = 2  # the fastest of this many timings per size
+# Forward sizes timed once per engine, once each (the 1.5B on a Zen 5: 0.8 s in all; nine sizes timed twice took
+# 3.3 s, a third of the README's three-problem job). A slow outlier only makes the plan avoid one size for a while.
+CALIBRATION_ROWS = (1, 2, 4, 8, 16, 32, 64)
+CALIBRATION_CONTEXT = 16  # tokens of KV the calibrated rows attend to
+CALIBRATION_REPEATS = 1  # the fastest of this many timings per size
 COST_SLOPE = 0.09  # a forward's cost per extra row relative to one row, before any is measured (1.5B: 8 rows 1.6x)
 COST_SMOOTHING = 0.25  # how far one step's measured time moves the curve's level
 TRUST_DECAY = 0.95  # the share of the plan's record of expected and accepted draft tokens kept from step to step

@@ -434,7 +434,7 @@ class BatchScheduler:
                 except Exception as exc:  # noqa: BLE001 - thrown into its own generation
                     results.append(exc)
         live = [i for i in self._live if i.lane is lane]
-        if len(live) > 1 and self.goodput:
+        if len(live) > 1 and self.goodput and any(i.accept > 0 for i in live):  # some sequence may draft
             self._calibrate(lane)
             lane.trust.step()
             self._plan.update(zip(map(id, live), allocate([i.accept for i in live], lane.cost,
