@@ -172,8 +172,8 @@ def main() -> None:
     questions = [r["question"] for r in gsm8k("test")[OFFSET:OFFSET + max(streams)]]
     load_before = os.getloadavg()
     model = LocalModel(args.model, dtype="gguf", drafter="suffix")
-    # warm the kernels and the template; two at once: the scheduler measures its forward cost by rows (once)
-    asyncio.run(together(model, [request("What is 2 + 3?", 4, False), request("What is 4 + 5?", 4, False)]))
+    # warm the kernels and the template; two drafting at once: the scheduler measures its forward cost by rows (once)
+    asyncio.run(together(model, [request("What is 2 + 3?", 4, True), request("What is 4 + 5?", 4, True)]))
     result: dict[str, Any] = {"model": args.model, "tokens": args.tokens, "cpu": cpu_flags(),
                               "threads": __import__("torch").get_num_threads(),
                               "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "arms": {}}

@@ -193,3 +193,18 @@ def test_sequences_that_never_draft_cost_no_calibration(engine, monkeypatch) -> 
     assert [f.result(timeout=60).token_ids for f in futures] == [plain_greedy(engine, p, 12) for p in jobs]
     assert scheduler.peak_batch > 1 and calls == []  # they shared forwards, and nothing was measured for a plan
     scheduler.close()
+
+
+def test_an_engine_that_cannot_be_measured_is_planned_by_the_line_and_serves_exactly(engine, monkeypatch, caplog) -> None:
+    def broken(e):
+        raise RuntimeError("no scratch sequence here")
+
+    monkeypatch.setattr("thinkahead.models.engine.scheduler.measure_rows", broken)
+    decoder = build_decoder("suffix", engine)
+    scheduler = BatchScheduler(engine, prefill_chunk=8)
+    jobs = [prompt(s, 11) for s in range(3)]
+    futures = [scheduler.submit(lambda p=p: decoder.rounds(p, 14, stop_token_ids=[], share=scheduler.share()))
+               for p in jobs]
+    assert [f.result(timeout=60).token_ids for f in futures] == [plain_greedy(engine, p, 14) for p in jobs]
+    assert not scheduler.cost.calibrated and "learns it online" in caplog.text
+    scheduler.close()
