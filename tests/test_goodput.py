@@ -182,17 +182,23 @@ def test_a_sequences_estimate_weighs_every_depth_of_its_unverified_drafts(engine
     assert 0.4 < share.rates[-1] < 0.6
 
 
+def three_together(engine, drafter: str, tokens: int) -> BatchScheduler:
+    """Three prompts through one scheduler at once; each reply checked against its solo plain greedy reply."""
+    decoder = build_decoder(drafter, engine)
+    scheduler = BatchScheduler(engine, prefill_chunk=8)
+    jobs = [prompt(s, 10 + s) for s in range(3)]
+    futures = [scheduler.submit(lambda p=p: decoder.rounds(p, tokens, stop_token_ids=[], share=scheduler.share()))
+               for p in jobs]
+    assert [f.result(timeout=60).token_ids for f in futures] == [plain_greedy(engine, p, tokens) for p in jobs]
+    scheduler.close()
+    return scheduler
+
+
 def test_sequences_that_never_draft_cost_no_calibration(engine, monkeypatch) -> None:
     calls = []
     monkeypatch.setattr("thinkahead.models.engine.scheduler.measure_rows", lambda e: calls.append(e) or {0: 1.0})
-    decoder = build_decoder("none", engine)
-    scheduler = BatchScheduler(engine, prefill_chunk=8)
-    jobs = [prompt(s, 10) for s in range(3)]
-    futures = [scheduler.submit(lambda p=p: decoder.rounds(p, 12, stop_token_ids=[], share=scheduler.share()))
-               for p in jobs]
-    assert [f.result(timeout=60).token_ids for f in futures] == [plain_greedy(engine, p, 12) for p in jobs]
+    scheduler = three_together(engine, "none", 12)
     assert scheduler.peak_batch > 1 and calls == []  # they shared forwards, and nothing was measured for a plan
-    scheduler.close()
 
 
 def test_an_engine_that_cannot_be_measured_is_planned_by_the_line_and_serves_exactly(engine, monkeypatch, caplog) -> None:
@@ -200,11 +206,5 @@ def test_an_engine_that_cannot_be_measured_is_planned_by_the_line_and_serves_exa
         raise RuntimeError("no scratch sequence here")
 
     monkeypatch.setattr("thinkahead.models.engine.scheduler.measure_rows", broken)
-    decoder = build_decoder("suffix", engine)
-    scheduler = BatchScheduler(engine, prefill_chunk=8)
-    jobs = [prompt(s, 11) for s in range(3)]
-    futures = [scheduler.submit(lambda p=p: decoder.rounds(p, 14, stop_token_ids=[], share=scheduler.share()))
-               for p in jobs]
-    assert [f.result(timeout=60).token_ids for f in futures] == [plain_greedy(engine, p, 14) for p in jobs]
+    scheduler = three_together(engine, "suffix", 14)
     assert not scheduler.cost.calibrated and "learns it online" in caplog.text
-    scheduler.close()
