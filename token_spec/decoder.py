@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from thinkahead.token_spec.acceptance import check_probes, first_chain, moved_accept_rate, moved_by_checks
 from thinkahead.token_spec.controller import AdaptiveController, SpeculationController
 from thinkahead.token_spec.constrained import grammar_draft, masked, row_masks, verify_greedy_constrained
 from thinkahead.token_spec.draft import Draft
@@ -30,8 +31,6 @@ from thinkahead.token_spec.stats import SpecStats
 from thinkahead.token_spec.verify import Acceptance, SamplingParams, verify_greedy, verify_sampling
 
 
-ACCEPT_SMOOTHING = 0.25  # a generation's acceptance estimate: how far one round moves it
-PENDING_PROBES = 8  # unverified drafts a generation checks against the tokens it keeps, at most
 _GENERATIONS = itertools.count()  # numbers every generation of the process (its drafter request id)
 
 
@@ -362,7 +361,8 @@ class SpeculativeDecoder:
             hits = common_prefix_len(probe.token_ids, rnd.tokens)
             self.controller.update(checked, hits)
             gen.probes.append((first_chain(probe), 0))
-        check_probes(gen, rnd.tokens)
+        gen.probes, hits, tries = check_probes(gen.probes, rnd.tokens)
+        gen.accept_rate = moved_by_checks(gen.accept_rate, hits, tries)
 
     def _check_stop_string(self, gen: _Generation, rnd: _Round) -> None:
         """Cut the round's tokens after the one that completes a stop string, if any does. A stop token
@@ -428,46 +428,6 @@ class SpeculativeDecoder:
         if eos is None:
             return []
         return list(eos) if isinstance(eos, (list, tuple)) else [eos]
-
-
-def first_chain(draft: Draft) -> list[int]:
-    """A draft's tokens along its first path (all of a chain's)."""
-    n = 1
-    while n < len(draft.token_ids) and draft.parents[n] == n - 1:
-        n += 1
-    return draft.token_ids[:n]
-
-
-def check_probes(gen: _Generation, tokens: list[int]) -> None:
-    """Check `gen`'s unverified drafts against the tokens it just kept: each draft token is a try, a miss ends its
-    draft, and the acceptance estimate moves once, by the round's share of hits. A draft is checked over the rounds
-    after it, so the estimate weighs every depth of a draft, as a verify would, not only its first token (on
-    chains of thought the first token of a suffix match hits far more often than the ones after it)."""
-    hits = tries = 0
-    pending = []
-    for chain, at in gen.probes:
-        for token in tokens:
-            tries += 1
-            if chain[at] != token:
-                at = -1
-                break
-            hits, at = hits + 1, at + 1
-            if at == len(chain):
-                break
-        if 0 <= at < len(chain):
-            pending.append((chain, at))
-    gen.probes = pending[-PENDING_PROBES:]
-    if tries:
-        gen.accept_rate += ACCEPT_SMOOTHING * (hits / tries - gen.accept_rate)
-
-
-def moved_accept_rate(rate: float, proposed: int, accepted: int) -> float:
-    """An acceptance-rate estimate moved by one round: the verifier stops at the first miss, so `accepted` hits
-    out of accepted + 1 tries (or `proposed` when all hit); unchanged when nothing was proposed."""
-    if proposed <= 0:
-        return rate
-    tries = accepted + (1 if accepted < proposed else 0)
-    return rate + ACCEPT_SMOOTHING * (accepted / tries - rate)
 
 
 def path_logprobs(logits: torch.Tensor, draft: Draft, acceptance: Acceptance) -> list[float]:
