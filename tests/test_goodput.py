@@ -23,7 +23,7 @@ from tests.tiny_models import VOCAB
 
 
 def tiles(k: int) -> float:
-    """A CPU's shape (row_cost's docstring): the first draft rows dear, then nearly free up to a full tile."""
+    """A CPU's shape (goodput.py's docstring): the first draft rows dear, then nearly free up to a full tile."""
     rows = k + 1
     return 1.0 if rows <= 4 else 1.5 + 0.01 * (rows - 5)
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -160,11 +161,7 @@ class RowCost:
         if not points or min(points) < 0 or min(points.values()) <= 0:
             raise ValueError(f"calibration points must be sizes >= 0 with seconds > 0, got {points}")
         sizes = sorted(points)
-        seconds, top = [], 0.0
-        for k in sizes:
-            top = max(top, points[k])
-            seconds.append(top)
-        self._sizes, self._seconds, self.level = sizes, seconds, 1.0
+        self._sizes, self._seconds, self.level = sizes, list(itertools.accumulate((points[k] for k in sizes), max)), 1.0
 
     def _shape(self, k: int) -> float:
         sizes, seconds = self._sizes, self._seconds
@@ -175,9 +172,10 @@ class RowCost:
         return s0 + (s1 - s0) * (k - k0) / (k1 - k0)
 
     def update(self, k: int, seconds: float) -> None:
-        self._fallback.update(k, seconds)
         if self._sizes:
             self.level = moving_average(self.level, seconds / self._shape(k), self.smoothing)
+        else:  # the line is read only until the shape is measured
+            self._fallback.update(k, seconds)
 
     def __call__(self, k: int) -> float:
         return self.level * self._shape(k) if self._sizes else self._fallback(k)

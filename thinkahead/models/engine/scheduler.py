@@ -87,7 +87,7 @@ class _Engine:
     engine: TargetEngine
     prefill_chunk: int | None  # prefills are cut into pieces only where that gives the same bits (_batch)
     max_tokens: int | None = None  # KV tokens its live sequences may reserve in all (None: no limit)
-    cost: RowCost = field(default_factory=lambda: RowCost())  # rows - 1 -> s
+    cost: RowCost = field(default_factory=RowCost)  # rows - 1 -> s
     prior: float = ACCEPT_PRIOR  # what its sequences' drafts have shown: where a new one's estimate starts
     trust: Trust = field(default_factory=Trust)  # how far the plan's expected accepted tokens came true
     calibrating: bool = True  # its cost curve is still to be measured (once, when it first batches sequences)
@@ -399,7 +399,7 @@ class BatchScheduler:
         return item.lane if engine is None or engine is item.lane.engine else self._engine(engine)
 
     def _calibrate(self, lane: _Engine) -> None:
-        """Measure `lane`'s forward cost by rows, once (row_cost.py), where its engine batches rows."""
+        """Measure `lane`'s forward cost by rows, once (goodput.py), where its engine batches rows."""
         if not lane.calibrating:
             return
         lane.calibrating = False
