@@ -16,7 +16,7 @@ from thinkahead.token_spec.controller import FixedController
 from thinkahead.token_spec.decoder import SpeculativeDecoder
 from thinkahead.token_spec.draft import Draft
 from thinkahead.token_spec.drafters import DraftModelDrafter
-from thinkahead.token_spec.verify import SamplingParams, target_probs, verify_sampling
+from thinkahead.token_spec.verify import SamplingParams, draw, nucleus, target_probs, verify_sampling
 
 V = 6  # vocabulary of the synthetic target
 P_MIN = 1e-3  # significance level: a correct sampler fails about once in a thousand runs
@@ -167,3 +167,52 @@ def test_decoder_sampling_end_to_end_matches_model(draft_vocab) -> None:
         key = tuple(out.token_ids)
         counts[key] = counts.get(key, 0) + 1
     assert chi2_pvalue(counts, exact, n) > P_MIN
+
+
+def sorted_nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The top-p cut by ranking the whole vocabulary (what target_probs did before `nucleus`)."""
+    sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+    before = torch.cumsum(sorted_p, dim=-1, dtype=torch.float64) - sorted_p
+    kept = torch.zeros_like(probs).scatter(-1, order, sorted_p.masked_fill(before >= top_p, 0.0))
+    return kept / kept.sum(dim=-1, keepdim=True)
+
+
+@pytest.mark.parametrize("top_p", [0.05, 0.5, 0.9, 0.999])
+def test_nucleus_keeps_what_ranking_the_whole_vocabulary_keeps(top_p) -> None:
+    """Peaked rows cut inside the first candidates, flat ones (a 152k vocabulary, the cut past 256 and past
+    1,024 of them) only after widening; every row keeps the same probabilities (a tie at the cut may keep
+    another token of the same probability: float32 rows of 152k values hold ties)."""
+    gen = torch.Generator().manual_seed(3)
+    vocab = 151_936
+    logits = torch.randn(4, vocab, generator=gen) * torch.tensor([[8.0], [2.0], [0.5], [0.01]])
+    probs = torch.softmax(logits, dim=-1)
+    got = nucleus(probs, top_p)
+    want = sorted_nucleus(probs, top_p)
+    assert torch.equal((got > 0).sum(dim=-1), (want > 0).sum(dim=-1))
+    torch.testing.assert_close(got.sort(dim=-1).values, want.sort(dim=-1).values, rtol=1e-5, atol=0.0)
+    assert (got > 0).sum(dim=-1)[3] > 1024 or top_p < 0.01  # the flat row needed widening
+
+
+def test_draw_follows_the_weights_and_never_draws_a_zero() -> None:
+    gen = torch.Generator().manual_seed(11)
+    weights = torch.tensor([0.0, 0.2, 0.0, 0.5, 0.3, 0.0, 0.0])  # unnormalised is fine too: scaled below
+    n = 6000
+    counts: dict = {}
+    for _ in range(n):
+        i = draw(weights * 3.0, gen)
+        counts[i] = counts.get(i, 0) + 1
+    expected = {i: float(w) for i, w in enumerate(weights) if w > 0}
+    assert chi2_pvalue(counts, expected, n) > P_MIN
+
+
+def test_draw_where_the_uniform_rounds_up_to_the_total_takes_the_last_weighted_index(monkeypatch) -> None:
+    """u * total can round to the total itself; the draw must still land on a token with weight, not past
+    the end or on the zeros that trail it."""
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.tensor(1.0, dtype=torch.float64))
+    assert draw(torch.tensor([0.1, 0.0, 0.6, 0.3, 0.0, 0.0])) == 3
+
+
+def test_draw_is_reproducible_per_seed() -> None:
+    weights = torch.softmax(torch.randn(151_936, generator=torch.Generator().manual_seed(2)), dim=-1)
+    runs = [[draw(weights, g) for _ in range(20)] for g in (torch.Generator().manual_seed(5) for _ in range(2))]
+    assert runs[0] == runs[1] and len(set(runs[0])) > 10

@@ -224,3 +224,22 @@ def LocalModel_for_test():
     from thinkahead.models.local import LocalModel
 
     return LocalModel(model=tiny_model("llama"), tokenizer=byte_tokenizer(), name="m")
+
+
+def test_loading_a_model_leaves_the_grammar_tokenizer_unbuilt_and_a_server_builds_it() -> None:
+    """Building llguidance's tokenizer costs about a second of CPU: a batch job that never asks for a
+    grammar (`thinkahead run`) must not pay it while it loads; a server starts it at once."""
+    import threading
+    import time
+
+    from thinkahead.models.local import LocalModel
+
+    local = LocalModel(model=tiny_model("qwen2"), tokenizer=byte_tokenizer(), name="lazy")
+    time.sleep(0.2)
+    assert local.grammars._llt is None
+    assert not any(t.name == "grammar-tokenizer" for t in threading.enumerate())
+    create_app(small=local, large=local)
+    deadline = time.monotonic() + 30
+    while local.grammars._llt is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert local.grammars._llt is not None

@@ -24,7 +24,7 @@ from thinkahead.token_spec.draft import Draft
 from thinkahead.token_spec.draft_vocab import DraftVocab, RequestVocab
 from thinkahead.token_spec.engine import ForwardCall, Rounds, run_inline
 from thinkahead.token_spec.names import MODEL_DRAFT_SOURCE, common_prefix_len
-from thinkahead.token_spec.verify import SamplingParams, target_probs
+from thinkahead.token_spec.verify import SamplingParams, draw, target_probs
 
 
 @dataclass(slots=True)
@@ -116,7 +116,7 @@ class DraftModelDrafter:
                 pick = int(dist.argmax())
             else:
                 dist = target_probs(logits[-1:], live.params)[0]
-                pick = int(torch.multinomial(dist, 1, generator=self._generator))
+                pick = draw(dist, self._generator)
                 q_rows.append(dist if vocab is None else vocab.full(dist))
             tokens.append(pick if vocab is None else int(vocab.ids[pick]))
             probs.append(float(dist[pick]))

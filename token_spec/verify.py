@@ -66,12 +66,47 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if params.top_p < 1.0:
-        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
-        before = torch.cumsum(sorted_p, dim=-1) - sorted_p  # mass strictly above each token
-        sorted_p = sorted_p.masked_fill(before >= params.top_p, 0.0)
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
+        probs = nucleus(probs, params.top_p)
     return probs
+
+
+TOP_P_FIRST = 256  # candidates a top-p cut first looks among (x4 until the cut falls inside them)
+
+
+def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Each row of `probs` kept to its smallest set of likeliest tokens with mass >= top_p, renormalised.
+
+    A token is kept where the mass of the tokens ranked above it is below top_p. Only the top
+    candidates are ranked (`torch.topk`, widened until every row's cut falls inside them): ranking a
+    whole vocabulary (`torch.sort`, 152k entries) took 6 ms a row, the top 256 0.13 ms."""
+    import torch
+
+    vocab = probs.shape[-1]
+    k = min(TOP_P_FIRST, vocab)
+    while True:
+        top, order = torch.topk(probs, k, dim=-1)  # descending
+        mass = torch.cumsum(top, dim=-1, dtype=torch.float64)
+        before = mass - top  # the mass ranked strictly above each candidate (float64: a cut that does not
+        # move with how many candidates are summed)
+        if k == vocab or bool((before[..., -1] >= top_p).all()):
+            break
+        k = min(4 * k, vocab)
+    kept = torch.zeros_like(probs).scatter(-1, order, top.masked_fill(before >= top_p, 0.0))
+    return kept / kept.sum(dim=-1, keepdim=True)
+
+
+def draw(weights: torch.Tensor, generator: torch.Generator | None = None) -> int:
+    """One index drawn with probability proportional to `weights` (1-D, >= 0, some > 0): one uniform
+    number from `generator` against the weights' running sum (float64). Never an index of weight 0.
+    `torch.multinomial` draws the same distribution at 2.4 ms for a 152k vocabulary; this takes 0.1 ms."""
+    import torch
+
+    total = torch.cumsum(weights, 0, dtype=torch.float64)
+    u = torch.rand((), generator=generator, dtype=torch.float64) * total[-1]
+    index = int(torch.searchsorted(total, u, right=True))  # the first running sum above u
+    if index >= weights.numel():  # u rounded up to the total: the last index with weight
+        index = int(torch.searchsorted(total, total[-1]))
+    return index
 
 
 def children_of(parents: list[int]) -> dict[int, list[int]]:
@@ -137,7 +172,7 @@ def verify_sampling(
                 break
             p /= total
         if not moved:
-            return Acceptance(accepted, int(torch.multinomial(p, 1, generator=generator)))
+            return Acceptance(accepted, draw(p, generator))
 
 
 def _uniform(generator: torch.Generator | None) -> float:

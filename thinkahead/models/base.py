@@ -302,6 +302,10 @@ class LanguageModel(abc.ABC):
             raise GrammarError(f"a {spec.kind} grammar cannot be enforced by {type(self).__name__} {self.name!r}",
                                spec.field)
 
+    def prepare_grammars(self) -> None:
+        """Get ready for constrained requests in the background (a server calls it at start); the default
+        has nothing to prepare."""
+
     async def end_session(self, session_id: str) -> None:
         """Forget what the backend keeps for an agent session; the default keeps nothing."""
 

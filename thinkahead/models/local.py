@@ -111,7 +111,6 @@ class LocalModel(LanguageModel):
         self._plain = build_decoder("none", self.engine, **common)
         self.stop_token_ids = self._stop_token_ids()
         self.grammars = TokenGrammar(tokenizer, _vocab_size(model, tokenizer), self.stop_token_ids)
-        threading.Thread(target=self.grammars.warm, name="grammar-tokenizer", daemon=True).start()  # ~1 s
         # the one thread that runs this model's engine, drafters, suffix cache and prefix pool (none thread-safe):
         # with a draft model, that model's thread (the drafter runs its engine)
         live = config.kv_live_tokens if config.kv_live_tokens is not None else kv_token_budget(model, KV_LIVE_SHARE)
@@ -190,6 +189,12 @@ class LocalModel(LanguageModel):
 
     def check_grammar(self, spec: GrammarSpec) -> None:
         self.grammars.compile(spec)
+
+    def prepare_grammars(self) -> None:
+        """Build the grammar engine's view of the tokenizer on a side thread (about 1 s of CPU for a 150k
+        vocabulary). Not at load: a batch job that never asks for a grammar would pay it while it loads and
+        decodes (`thinkahead run`, 2 cores); the first constrained request builds it where no one asked."""
+        threading.Thread(target=self.grammars.warm, name="grammar-tokenizer", daemon=True).start()
 
     # ------------------------------------------------------------------ sync implementations
     def generate_sync(self, request: GenerationRequest,

@@ -88,6 +88,8 @@ class ChatServer:
         self.created = int(time.time())
         self._orchestrators: dict[str, Orchestrator] = {}
         self._orchestrators[config.policy.name] = self._build(config.policy.name)  # the default refuses at start
+        for model in self.chat_models().values():  # tools and JSON replies: the first one need not wait
+            model.prepare_grammars()
 
     @property
     def in_flight(self) -> int:
