@@ -76,6 +76,7 @@ int64_t block_bytes(int type) {
 struct alignas(64) Q8K {  // x per 256 values (aligned: the kernel's 32- and 64-byte loads never straddle a line)
     int8_t qs[QK_K];           // in the kernel layout (kquant_layout.inc)
     int16_t bsums[QK_K / 16];  // sums of 16 codes: groups 0, 2, .., 14, then 1, 3, .., 15
+    int16_t sums32[QK_K / 32]; // sums of 32 codes (groups 2 s and 2 s + 1): what Q4_K's mins multiply
     float d;
 };
 
