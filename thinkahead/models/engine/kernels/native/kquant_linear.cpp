@@ -253,15 +253,19 @@ int best_isa() {
 
 std::atomic<int> chosen_isa{-1};  // -1: the best this CPU runs; set_isa (tests, benches)
 // Rows of x from which the K-quant parts run in tiles of 8 or 16 (the same bits as row by row). Below them the
-// row-by-row path is as fast or faster: passes of 4 rows (AVX-VNNI) up to 16 rows (1.5B layers: tiles
-// 1.0-1.3x its time at 8-12 rows, 0.85-1.02x at 16, 0.7x at 64), passes of 8 (AVX-512) up to 24 (1.5B
-// verify: tiles 1.08x the time at 16-20 rows, 0.98x at 24, 0.87x at 33, 0.79x at 48-65); tiles of 16 rows
-// (AVX512_ZMM, AMD Zen 5, the 1.5B's layers) from 16 rows: 0.96x the time of passes of 8 at 16 rows, 0.91x at
-// 24, 0.56x at 32, 0.51x at 64, 0.44x at 128.
-constexpr int64_t TILE_FROM_ROWS_4 = 16, TILE_FROM_ROWS_8 = 24, TILE_FROM_ROWS_16 = 16;
+// row-by-row path is as fast or faster. Measured on the 1.5B's linears (AMD Zen 5, 2 threads) once the tiles
+// prefetched their next weight rows block by block (kquant_tiles.inc): tiles of 16 rows (AVX512_ZMM) cost about
+// the same from 2 to 16 rows (70-76 ms), passes of 8 rows 62 ms at 8 rows, 80 at 10, 90 at 12, so from 10 rows;
+// tiles of 8 with 8-row passes (AVX-512 VNNI in 256-bit vectors) 111 against 122 ms at 16 rows, 101 against 93
+// at 12, so from 16; tiles of 8 with 4-row passes (AVX-VNNI) 108 against 112 ms at 12 rows, 70 against 72 at 8,
+// so from 12.
+constexpr int64_t TILE_FROM_ROWS_4 = 12, TILE_FROM_ROWS_8 = 16, TILE_FROM_ROWS_16 = 10;
 constexpr int64_t TILE_FROM_AUTO = -1;
 std::atomic<int64_t> tile_from{TILE_FROM_AUTO};  // set_tile_from (tests, benches); 0: never; -1: by the ISA
-constexpr int64_t TILE_PARTIAL_ROWS = 5;  // 1.5B verify of 20 rows: 4 in a partial tile 1.03x slower, 21: 5 in one 0.95x
+// Rows past the last full tile that go in a partial tile (fewer run row by row). Tiles of 8: 1.5B verify of 20
+// rows, 4 in a partial tile 1.03x slower, 21: 5 in one 0.95x. Tiles of 16: 1.5B linears, 20 rows 107 ms with 4
+// row by row, 116 in a tile; 24 rows 131 ms with 8 row by row, 118 in a tile.
+constexpr int64_t TILE_PARTIAL_ROWS = 5, TILE16_PARTIAL_ROWS = 6;
 
 int current_isa() {
     const int which = chosen_isa.load();
@@ -332,10 +336,11 @@ void linear_parts(const float* xf, int64_t M, int64_t K, const int* types, const
                              : width == TILE16            ? TILE_FROM_ROWS_16
                              : rows_per_pass(job.isa) == 8 ? TILE_FROM_ROWS_8
                                                            : TILE_FROM_ROWS_4;
-        if (job.isa != AVX2 && from > 0 && M >= from && M >= width) {
+        if (job.isa != AVX2 && from > 0 && M >= from) {
             // Rows left over past the last full tile: a partial tile from a share of a tile on (see
             // TILE_PARTIAL_ROWS), else row by row (a row costs about a quarter of a tile's instructions).
-            job.tiled = M % width * TILE >= TILE_PARTIAL_ROWS * width ? M : M / width * width;
+            const int64_t partial = width == TILE16 ? TILE16_PARTIAL_ROWS : TILE_PARTIAL_ROWS;
+            job.tiled = M % width >= partial || M < width ? M : M / width * width;
             job.xt = width == TILE16 ? job_tiles<TILE16>(xk.data(), job.tiled, K / QK_K)
                                      : job_tiles<TILE>(xk.data(), job.tiled, K / QK_K);
         }
