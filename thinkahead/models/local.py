@@ -101,6 +101,12 @@ class LocalModel(LanguageModel):
         self.draft = draft if drafter in MODEL_DRAFT_KINDS else None
         self.tokenizer = repair_chat_template(tokenizer)
         self.engine = HFEngine(model)
+        if spec is not None:  # a named model: its forward-cost curve is measured once per machine, not per process
+            import torch
+
+            from thinkahead.models.engine.calibration import engine_key
+
+            self.engine.calibration_key = engine_key(spec, config.dtype, torch.get_num_threads())
         self.suffix_cache = cache if cache is not None else SuffixCache()
         kv_tokens = config.kv_tokens if config.kv_tokens is not None else kv_token_budget(model, KV_MEMORY_SHARE)
         self.prefix_pool = KVPrefixPool(self.engine, max_sessions=config.kv_sessions, max_tokens=kv_tokens)

@@ -57,6 +57,9 @@ class HFEngine:
 
     def __init__(self, model: PreTrainedModel):
         """Wrap `model` (already loaded and in eval mode); reads its vocabulary and attention layout."""
+        # names the model, dtype and machine for a forward-cost curve kept across processes (calibration.py);
+        # None: measured in every process
+        self.calibration_key: str | None = None
         config = model.config.get_text_config(decoder=True)
         layer_types = list(getattr(config, "layer_types", None) or [])
         unknown = sorted(set(layer_types) - {_FULL, _SLIDING})

@@ -42,6 +42,7 @@ from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
+from thinkahead.models.engine import calibration
 from thinkahead.models.engine.goodput import RowCost, Trust, allocate, measure_rows
 from thinkahead.token_spec.engine import ForwardCall, Rounds, TargetEngine
 from thinkahead.token_spec.controller import moving_average
@@ -406,7 +407,7 @@ class BatchScheduler:
         if lane.prefill_chunk is None:  # calls run one by one: the rows' cost is the calls', a line
             return
         try:
-            lane.cost.calibrate(measure_rows(lane.engine))
+            lane.cost.calibrate(calibration.measured_curve(lane.engine, measure_rows))  # kept across processes
         except Exception:  # noqa: BLE001 - the plan then learns the curve from its steps, as before
             logger.warning("measuring the forward cost of %s failed; the goodput plan learns it online", self.name,
                            exc_info=True)

@@ -177,7 +177,7 @@ def file_digest(path: Path, root: Path, compute: bool = True) -> str | None:
     memo = {name: record for name, record in memo.items() if Path(name).exists()} if isinstance(memo, dict) else {}
     memo[str(path)] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest}
     try:
-        _write_json_atomic(memo_path, memo)
+        write_json_atomic(memo_path, memo)
     except OSError as exc:  # a read-only cache still works, it just hashes again next time
         logger.debug("could not remember the hash of %s: %s", path, exc)
     return digest
@@ -220,7 +220,7 @@ def _chmod_default(path: Path, directory: bool = False) -> None:
     os.chmod(path, (0o777 if directory else 0o666) & ~umask)
 
 
-def _write_json_atomic(path: Path, data: Any) -> None:
+def write_json_atomic(path: Path, data: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
     try:
@@ -319,7 +319,7 @@ def _check_all(entry: Path, files: dict[str, Any]) -> None:
     if {name: _identity(entry / name) for name in files} != before:
         raise CacheInvalid("it changed while it was being checked")
     try:
-        _write_json_atomic(entry / VERIFIED_FILE,
+        write_json_atomic(entry / VERIFIED_FILE,
                            {name: {**before[name], HASH_NAME: record[HASH_NAME]} for name, record in files.items()})
     except OSError as exc:  # read-only: the next load hashes again
         logger.debug("could not record the check of %s: %s", entry, exc)
@@ -429,7 +429,7 @@ def store_entry(root: Path, key: CacheKey, model: Any, tokenizer: Any, convert_s
                 files[path.name] = {HASH_NAME: hash_file(path)}
             files[path.name]["size"] = path.stat().st_size
         manifest = {"key": key.as_dict(), "files": files, "created": time.time(), "convert_s": convert_s}
-        _write_json_atomic(tmp / MANIFEST_FILE, manifest)
+        write_json_atomic(tmp / MANIFEST_FILE, manifest)
         _chmod_default(tmp, directory=True)
         _fsync_dir(tmp)
         try:
