@@ -53,7 +53,8 @@ def test_another_key_is_measured_and_kept_beside_the_first(engine, store, measur
     assert set(json.loads(store.read_text())["curves"]) == {"other model", "tiny"}
 
 
-@pytest.mark.parametrize("damage", ["{not json", '{"format": 99, "curves": {}}', '[1, 2]',
+@pytest.mark.parametrize("damage", ["{not json",
+                                    '{"format": 1, "curves": {"tiny": {"rows": {"0": 1.0}}}}' + " " * calibration.MAX_STORE_BYTES, '{"format": 99, "curves": {}}', '[1, 2]',
                                     '{"format": 1, "curves": {"tiny": {"rows": {"0": -1.0}}}}',
                                     '{"format": 1, "curves": {"tiny": {"rows": {"x": 1.0}}}}',
                                     '{"format": 1, "curves": {"tiny": {"rows": {"0": NaN}}}}',

@@ -216,3 +216,9 @@ def test_draw_is_reproducible_per_seed() -> None:
     weights = torch.softmax(torch.randn(151_936, generator=torch.Generator().manual_seed(2)), dim=-1)
     runs = [[draw(weights, g) for _ in range(20)] for g in (torch.Generator().manual_seed(5) for _ in range(2))]
     assert runs[0] == runs[1] and len(set(runs[0])) > 10
+
+
+@pytest.mark.parametrize("weights", [[0.0, 0.0], [0.5, float("nan")], [0.5, float("inf")], [0.7, -0.2, 0.5], []])
+def test_draw_refuses_weights_it_cannot_draw_from(weights) -> None:
+    with pytest.raises(ValueError, match="cannot draw"):
+        draw(torch.tensor(weights))

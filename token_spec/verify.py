@@ -17,6 +17,7 @@ after draft node i. Verification walks down the draft tree from the root:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -102,6 +103,9 @@ def draw(weights: torch.Tensor, generator: torch.Generator | None = None) -> int
     import torch
 
     total = torch.cumsum(weights, 0, dtype=torch.float64)
+    mass = float(total[-1]) if total.numel() else 0.0
+    if not (math.isfinite(mass) and mass > 0.0) or bool((weights < 0).any()):
+        raise ValueError(f"cannot draw from weights of total {mass} (NaN, infinite, negative or all zero)")
     u = torch.rand((), generator=generator, dtype=torch.float64) * total[-1]
     index = int(torch.searchsorted(total, u, right=True))  # the first running sum above u
     if index >= weights.numel():  # u rounded up to the total: the last index with weight

@@ -28,6 +28,7 @@ logger = logging.getLogger(__name__)
 STORE_NAME = "forward-cost.json"
 STORE_FORMAT = 1
 MAX_CURVES = 32  # the most keys the file keeps (the newest)
+MAX_STORE_BYTES = 1 << 20  # a store larger than this is not ours: ignored, not read
 
 
 def store_path(cache_dir: str | os.PathLike[str] | None = None) -> Path | None:
@@ -83,6 +84,8 @@ def measured_curve(engine: Any, measure: Callable[[Any], dict[int, float]]) -> d
 
 def _read(path: Path) -> dict[str, Any]:
     try:
+        if path.stat().st_size > MAX_STORE_BYTES:
+            raise ValueError(f"larger than {MAX_STORE_BYTES} bytes")
         data = json.loads(path.read_text())
     except FileNotFoundError:
         return {}
