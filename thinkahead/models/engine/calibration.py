@@ -62,11 +62,14 @@ def _native_digest() -> str:
 
 
 def engine_key(model: str, dtype: str, threads: int) -> str:
-    """The key of a curve: the model (name or file), dtype, threads, the CPU, the kernels' ISA and build."""
+    """The key of a curve: the model (name or file), dtype, threads, the CPU, the kernels' ISA and build, and
+    the sizes measured."""
+    from thinkahead.models.engine.goodput import CALIBRATION_ROWS
     from thinkahead.models.engine.kernels import kquant
 
     isa = kquant.kernel().isa() if kquant.unavailable_reason() is None else "-"
-    return "|".join((model, dtype, f"{threads} threads", _cpu_name(), isa, _native_digest()))
+    sizes = "rows " + ",".join(map(str, CALIBRATION_ROWS))
+    return "|".join((model, dtype, f"{threads} threads", _cpu_name(), isa, _native_digest(), sizes))
 
 
 def measured_curve(engine: Any, measure: Callable[[Any], dict[int, float]]) -> dict[int, float]:
@@ -77,9 +80,20 @@ def measured_curve(engine: Any, measure: Callable[[Any], dict[int, float]]) -> d
     curve = load(key, path) if key else None
     if curve is None:
         curve = measure(engine)
-        if key:
+        if key and plausible(curve):
             save(key, curve, path)
+        elif key:
+            logger.warning("not keeping a forward-cost curve measured under other load (more rows cost less): %s",
+                           {k: round(s * 1000) for k, s in sorted(curve.items())})
     return curve
+
+
+def plausible(curve: dict[int, float]) -> bool:
+    """Whether a measured curve looks like one forward's cost and not the machine's other load: more rows never
+    cost much less (a fifth) than fewer. A curve measured while something else ran (seen: 1.1 s for 2 rows, 0.27
+    s for 16) would otherwise be kept for every later process; it still serves the process that measured it."""
+    times = [s for _, s in sorted(curve.items())]
+    return all(b >= 0.8 * a for a, b in zip(times, times[1:]))
 
 
 def _read(path: Path) -> dict[str, Any]:
