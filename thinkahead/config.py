@@ -38,7 +38,7 @@ from thinkahead.token_spec.names import MODEL_DRAFT_KINDS
 DEFAULT_RUN_WALL_S = 1800.0
 # Runs in flight at once (`run`, `serve`, the SDK's batches) unless `concurrency` says otherwise: a local model
 # decodes them together, one forward per step (thinkahead/models/engine/scheduler.py). 8 GSM8K chains on the 1.5B: 2.5x the
-# tokens per second of one at a time, 16 no more (docs/results/batching.md); `run` on 20 problems 1.8x faster.
+# tokens per second of one at a time, 16 no more (docs/results/batching.md); `run` on 20 problems 2.0x faster.
 CONCURRENCY = 8
 # Engine settings a remote model's config may carry, unused: `--dtype` applies to both models of a command
 REMOTE_TOLERATED = ("dtype",)

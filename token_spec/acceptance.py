@@ -49,10 +49,10 @@ def moved_by_checks(rate: float, hits: int, tries: int) -> float:
     return rate + ACCEPT_SMOOTHING * (hits / tries - rate) if tries else rate
 
 
-def moved_accept_rate(rate: float, proposed: int, accepted: int) -> float:
+def moved_accept_rate(rate: float, proposed: int, accepted: int, smoothing: float = ACCEPT_SMOOTHING) -> float:
     """An acceptance-rate estimate moved by one verified round: the verifier stops at the first miss, so
     `accepted` hits out of accepted + 1 tries (or `proposed` when all hit); unchanged when nothing was proposed."""
     if proposed <= 0:
         return rate
     tries = accepted + (1 if accepted < proposed else 0)
-    return rate + ACCEPT_SMOOTHING * (accepted / tries - rate)
+    return rate + smoothing * (accepted / tries - rate)

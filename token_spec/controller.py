@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from thinkahead.token_spec.acceptance import moved_accept_rate
 from thinkahead.token_spec.names import MAX_DRAFT
 from thinkahead.token_spec.draft import Draft
 
@@ -171,10 +172,6 @@ class AdaptiveController:
         return draft.truncated(self.max_tokens)
 
     def update(self, proposed: int, accepted: int, fed: int | None = None, seconds: float | None = None) -> None:
-        if proposed > 0:
-            # The verifier stops at the first miss: `accepted` hits out of accepted + 1 tries.
-            tries = accepted + (1 if accepted < proposed else 0)
-            rate = accepted / tries
-            self.accept_rate += self.smoothing * (rate - self.accept_rate)
+        self.accept_rate = moved_accept_rate(self.accept_rate, proposed, accepted, self.smoothing)
         if fed is not None and seconds is not None:
             self.cost.update(fed - 1, seconds)

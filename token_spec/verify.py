@@ -106,7 +106,7 @@ def draw(weights: torch.Tensor, generator: torch.Generator | None = None) -> int
     mass = float(total[-1]) if total.numel() else 0.0
     if not (math.isfinite(mass) and mass > 0.0) or bool((weights < 0).any()):
         raise ValueError(f"cannot draw from weights of total {mass} (NaN, infinite, negative or all zero)")
-    u = torch.rand((), generator=generator, dtype=torch.float64) * total[-1]
+    u = torch.rand((), generator=generator, dtype=torch.float64) * mass
     index = int(torch.searchsorted(total, u, right=True))  # the first running sum above u
     if index >= weights.numel():  # u rounded up to the total: the last index with weight
         index = int(torch.searchsorted(total, total[-1]))

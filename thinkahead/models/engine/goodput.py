@@ -7,9 +7,10 @@ it runs is a trap: the plan measures the sizes it chooses, a line through them p
 guess keeps a size from ever being chosen, hence measured (measured on the 1.5B GGUF: the plan kept 4 copy
 streams that accept 95% of drafts at one draft token among them, docs/results/goodput_sweep.md).
 
-On a CPU the curve is not a line either. The GGUF kernels read the weights once per row up to 8 rows and
-once per tile of 16 rows beyond (kernels/native/kquant_tiles.inc), so rows cost most in the first few and
-least in full tiles (the 1.5B on a Zen 5, ms by rows: 1: 33, 8: 92, 16: 140, 32: 210, 64: 332).
+On a CPU the curve is not a line either. The GGUF kernels read the weights once per pass of up to 8 rows
+and once per tile of 16 rows from 10 rows on (kernels/native/kquant_tiles.inc), so rows cost most in the first
+few and least in full tiles, and the curve bends where tiles start and past each full tile (the measured sizes
+and the 1.5B's curve: `CALIBRATION_ROWS`).
 
 So `measure_rows` times real forwards of `CALIBRATION_ROWS` rows once (a scratch sequence),
 `RowCost` interpolates between them, and each step's measured time moves only the curve's level (a moving
