@@ -333,6 +333,7 @@ def test_simulate_leaves_the_collector_as_it_found_it(tmp_path: Path) -> None:
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text("not json\n")
+    gc.unfreeze()  # what earlier tests' model loads froze (heap.py): simulate starts from nothing frozen
     runner = CliRunner()
     for args in ([str(bad)], [str(RESULTS / RECORDINGS[-1]), "--model", MODEL, "--drafters", "suffix,combined"]):
         result = runner.invoke(main, ["simulate", *args])

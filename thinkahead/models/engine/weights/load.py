@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from thinkahead.models.engine import heap
 from thinkahead.models.engine.dtypes import AUTO, DTYPES, GGUF, INT8
 from thinkahead.models.engine.weights.progress import ConversionProgress
 from thinkahead.models.registry import get_entry, prepare, prepared_path
@@ -181,22 +182,22 @@ def load_causal_lm(
     if dtype == GGUF and gguf_file is None:
         raise ValueError(f"dtype 'gguf' computes on a GGUF file's blocks; {spec!r} is not a GGUF model (use dtype 'int8')")
     _apply_thread_setting()
-
-    root = cache_root(cache_dir)
-    key = _cache_key(source, location, gguf_file, dtype, root) if cache_enabled(weight_cache) else None
-    if key is not None:
-        loaded = load_entry(root, key, location, source_file=Path(location, gguf_file) if gguf_file else None)
-        if loaded is not None:
-            return _with_rotary_tables(*loaded)
-    label = source.registry_name or Path(location, gguf_file or "").name
-    stages = (STAGE_READ, *((STAGE_INT8,) if dtype == INT8 else ()), *((STAGE_STORE,) if key is not None else ()))
-    with ConversionProgress(f"{label} ({dtype})", stages, cached=key is not None, enabled=progress) as bar:
-        started = time.perf_counter()
-        model, tokenizer = _convert(location, gguf_file, dtype, bar)
+    with heap.loading():  # the objects it makes live as long as the process: see heap.py
+        root = cache_root(cache_dir)
+        key = _cache_key(source, location, gguf_file, dtype, root) if cache_enabled(weight_cache) else None
         if key is not None:
-            bar.stage(STAGE_STORE)
-            store_entry(root, key, model, tokenizer, convert_s=time.perf_counter() - started)
-    return _with_rotary_tables(model, tokenizer)
+            loaded = load_entry(root, key, location, source_file=Path(location, gguf_file) if gguf_file else None)
+            if loaded is not None:
+                return _with_rotary_tables(*loaded)
+        label = source.registry_name or Path(location, gguf_file or "").name
+        stages = (STAGE_READ, *((STAGE_INT8,) if dtype == INT8 else ()), *((STAGE_STORE,) if key is not None else ()))
+        with ConversionProgress(f"{label} ({dtype})", stages, cached=key is not None, enabled=progress) as bar:
+            started = time.perf_counter()
+            model, tokenizer = _convert(location, gguf_file, dtype, bar)
+            if key is not None:
+                bar.stage(STAGE_STORE)
+                store_entry(root, key, model, tokenizer, convert_s=time.perf_counter() - started)
+        return _with_rotary_tables(model, tokenizer)
 
 
 def _with_rotary_tables(model: Any, tokenizer: Any) -> tuple[Any, Any]:
