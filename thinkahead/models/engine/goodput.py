@@ -35,11 +35,11 @@ logger = logging.getLogger(__name__)
 
 # Forward sizes timed once per engine and machine (kept across processes: calibration.py), once each (the 1.5B on
 # a Zen 5: about 1.3 s in all). A slow outlier only makes the plan avoid one size for a while. The curve bends
-# where the kernels turn to tiles and past each full tile (1.5B, 512-bit tiles of 16 rows from 10 on: 8 rows 60
-# ms, 10 rows 73, 16 rows 77, 17 rows about 100: the 17th row runs row by row, reading every weight again); joined
+# where the kernels turn to tiles and past each full tile (1.5B, 512-bit tiles of 16 rows from 9 on: 8 rows 56
+# ms, 9 rows 63, 16 rows 70-77, 17 rows about 100: the 17th row runs row by row, reading every weight again); joined
 # by one line from 8 to 16 and from 16 to 32 it made 9-11 and 17-21 rows look cheap, and at 16 streams the plan
 # drafted into them (suffix 0.86x plain). So the sizes either side of those bends are measured too.
-CALIBRATION_ROWS = (1, 2, 4, 8, 10, 12, 16, 17, 20, 24, 32, 48, 64)
+CALIBRATION_ROWS = (1, 2, 4, 8, 9, 12, 16, 17, 20, 24, 32, 48, 64)
 CALIBRATION_CONTEXT = 16  # tokens of KV the calibrated rows attend to
 CALIBRATION_REPEATS = 1  # the fastest of this many timings per size
 COST_SLOPE = 0.09  # a forward's cost per extra row relative to one row, before any is measured (1.5B: 8 rows 1.6x)

@@ -258,8 +258,9 @@ std::atomic<int> chosen_isa{-1};  // -1: the best this CPU runs; set_isa (tests,
 // the same from 2 to 16 rows (70-76 ms), passes of 8 rows 62 ms at 8 rows, 80 at 10, 90 at 12, so from 10 rows;
 // tiles of 8 with 8-row passes (AVX-512 VNNI in 256-bit vectors) 111 against 122 ms at 16 rows, 101 against 93
 // at 12, so from 16; tiles of 8 with 4-row passes (AVX-VNNI) 108 against 112 ms at 12 rows, 70 against 72 at 8,
-// so from 12.
-constexpr int64_t TILE_FROM_ROWS_4 = 12, TILE_FROM_ROWS_8 = 16, TILE_FROM_ROWS_16 = 10;
+// so from 12. Once the tiles asked for the next pass's weights while multiplying (not while unpacking), 1.5B whole
+// forwards of 9 rows took 62-63 ms in a tile against 69 row by row: tiles of 16 from 9.
+constexpr int64_t TILE_FROM_ROWS_4 = 12, TILE_FROM_ROWS_8 = 16, TILE_FROM_ROWS_16 = 9;
 constexpr int64_t TILE_FROM_AUTO = -1;
 std::atomic<int64_t> tile_from{TILE_FROM_AUTO};  // set_tile_from (tests, benches); 0: never; -1: by the ISA
 // Rows past the last full tile that go in a partial tile (fewer run row by row). Tiles of 8: 1.5B verify of 20
