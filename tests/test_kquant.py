@@ -139,6 +139,33 @@ def test_embedding_rows_are_dequantized_on_lookup() -> None:
         table(torch.tensor([[50]]))
 
 
+@pytest.mark.parametrize("kind", [T.Q4_K, T.Q6_K])
+def test_long_rows_in_spans_give_the_avx2_builds_bits(kind) -> None:
+    """Rows of 21 super-blocks (past SPAN_FROM_BLOCKS): the 512-bit build meets 2-8 rows of x a span of 8 super-
+    blocks at a time, in groups of 8 weight rows (20 rows: a partial group; 21 blocks: a partial span), and the rows
+    left after a tile the same way; every output's bits are the AVX2 build's, row by row."""
+    native = kquant.kernel()
+    if "avx512vnni-zmm" not in native.isas():
+        pytest.skip("spans run in the 512-bit build")
+    layer = kquant.GGUFLinear([quant_tensor("w", kind, 20, 256 * 21, seed=11)[0]], torch.randn(20))
+    x = torch.randn(21, 256 * 21) * 2
+    best, tile_from = native.isa(), native.tile_from()
+    outputs = {}
+    try:
+        for isa in ("avx2", "avx512vnni-zmm"):
+            native.set_isa(isa)
+            native.set_tile_from(0)
+            outputs[isa] = [layer(x[:m]) for m in range(1, 9)]
+            native.set_tile_from(16)  # a tile of 16 rows, then 5 in a span (or row by row)
+            outputs[isa].append(layer(x))
+    finally:
+        native.set_isa(best)
+        native.set_tile_from(tile_from)
+    for m, (a, b) in enumerate(zip(outputs["avx2"], outputs["avx512vnni-zmm"], strict=True)):
+        assert torch.equal(a, b), m + 1
+    assert torch.equal(outputs["avx2"][-1][:8], outputs["avx2"][7])  # rows are rows, whatever else is in the call
+
+
 @pytest.mark.parametrize("name", list(TYPES))
 def test_every_isa_build_gives_the_avx2_builds_bits(name) -> None:
     native = kquant.kernel()
