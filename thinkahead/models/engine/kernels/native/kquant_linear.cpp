@@ -190,50 +190,7 @@ void tiled_rows(const Part& part, const Job& job, int64_t first, int64_t last, i
     else isa_vnni::tiled_rows<TYPE>(part, job, first, last, row_bytes);
 }
 
-// K-quant weight rows against 2-8 rows of x whose codes overflow L1 (the 1.5B's ffn_down, 8960 inputs: 8 rows of x
-// are 90 KB, read again for every weight row): a group of SPAN_ROWS weight rows meets x SPAN_BLOCKS super-blocks
-// at a time, those codes staying in L1. Each output still sums its super-blocks in order (its 8 float sums
-// carried from span to span), so the bits are the row path's. The 512-bit build (rows8 products). 1.5B whole
-// forwards, interleaved A/B x2 on Zen 5: 8 rows 56 -> 49 ms, 6 rows 47 -> 41, 4 rows 37 -> 34.5 (ffn_down at 8 rows
-// 15.4 -> 13.3 ms); spans of 4 super-blocks about the same, of 16 slower (2 rows 30 -> 34 ms).
-constexpr int64_t SPAN_BLOCKS = 8, SPAN_ROWS = 8, SPAN_FROM_BLOCKS = 12;
-
-void spanned_rows(const Part& part, const Job& job, int64_t first, int64_t last, int64_t row_bytes, int64_t m) {
-    const int64_t nb = job.K / QK_K, bytes = block_bytes(part.type), rows = job.M - m;
-    float sums[SPAN_ROWS][8];
-    for (int64_t n0 = first; n0 < last; n0 += SPAN_ROWS) {
-        const int64_t nr = std::min(SPAN_ROWS, last - n0);
-        for (int64_t j = 0; j < nr; ++j) std::fill(sums[j], sums[j] + 8, 0.0f);
-        for (int64_t i0 = 0; i0 < nb; i0 += SPAN_BLOCKS) {
-            const int64_t i1 = std::min(nb, i0 + SPAN_BLOCKS);
-            for (int64_t j = 0; j < nr; ++j) {
-                const uint8_t* w = part.w + (n0 + j) * row_bytes;
-                // this row's next span (after its last, the next group's row j: its first span) streams in meanwhile
-                const uint8_t* ahead = i1 < nb ? w + i1 * bytes : n0 + SPAN_ROWS + j < last ? w + SPAN_ROWS * row_bytes : nullptr;
-                const int64_t ahead_bytes = (i1 < nb ? std::min(nb, i1 + SPAN_BLOCKS) - i1 : std::min(nb, SPAN_BLOCKS)) * bytes;
-                if (ahead != nullptr)
-                    for (int64_t off = 0; off < ahead_bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead) + off, _MM_HINT_T0);
-                switch (rows) {
-                    case 8: isa_zmm::dot_rows_span<8>(part, w, job, m, i0, i1, sums[j]); break;
-                    case 7: isa_zmm::dot_rows_span<7>(part, w, job, m, i0, i1, sums[j]); break;
-                    case 6: isa_zmm::dot_rows_span<6>(part, w, job, m, i0, i1, sums[j]); break;
-                    case 5: isa_zmm::dot_rows_span<5>(part, w, job, m, i0, i1, sums[j]); break;
-                    case 4: isa_zmm::dot_rows_span<4>(part, w, job, m, i0, i1, sums[j]); break;
-                    case 3: isa_zmm::dot_rows_span<3>(part, w, job, m, i0, i1, sums[j]); break;
-                    default: isa_zmm::dot_rows_span<2>(part, w, job, m, i0, i1, sums[j]); break;
-                }
-            }
-        }
-        for (int64_t j = 0; j < nr; ++j) {
-            const float bias = part.bias == nullptr ? 0.0f : part.bias[n0 + j];
-            for (int64_t r = 0; r < rows; ++r) {
-                float y = sums[j][r];
-                if (part.bias != nullptr) y += bias;
-                job.out[(m + r) * job.N + part.offset + n0 + j] = y;
-            }
-        }
-    }
-}
+#include "kquant_spans.inc"
 
 void run_chunk(const void* ctx, int64_t chunk) {
     const Job& job = *static_cast<const Job*>(ctx);
