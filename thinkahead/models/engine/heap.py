@@ -10,7 +10,9 @@ the collector on and 3.5-3.7 s with it paused (same process, 2 cores, AMD Zen 5)
 `loading()` pauses automatic collection while the outermost load runs (loads on other threads
 share the pause), then collects once and moves what survived to the permanent generation
 (`gc.freeze`), where later collections no longer walk it. Cycles made after that are collected as
-usual. A process that had turned the collector off keeps it off.
+usual. The price: an object alive at the end of a load (the caller's too) that later becomes part of an
+unreachable cycle is never collected; reference counting still frees everything else. A process that had
+turned the collector off keeps it off.
 """
 
 from __future__ import annotations
