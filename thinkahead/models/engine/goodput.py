@@ -8,7 +8,7 @@ guess keeps a size from ever being chosen, hence measured (measured on the 1.5B 
 streams that accept 95% of drafts at one draft token among them, docs/results/goodput_sweep.md).
 
 On a CPU the curve is not a line either. The GGUF kernels read the weights once per pass of up to 8 rows
-and once per tile of 16 rows from 10 rows on (kernels/native/kquant_tiles.inc), so rows cost most in the first
+and once per tile of 16 rows from 9 rows on (kernels/native/kquant_tiles.inc), so rows cost most in the first
 few and least in full tiles, and the curve bends where tiles start and past each full tile (the measured sizes
 and the 1.5B's curve: `CALIBRATION_ROWS`).
 

@@ -9,7 +9,7 @@ to 8 bits per block, as llama.cpp does.
 
 Exactness: every row of the activations is quantized on its own and every output's block sums are
 accumulated in one fixed order whatever the number of rows or the path (row by row, or tiles of 8
-rows from 12 or 16 rows on, of 16 rows from 10 on in the 512-bit build), so verifying k drafted tokens
+rows from 12 or 16 rows on, of 16 rows from 9 on in the 512-bit build), so verifying k drafted tokens
 computes exactly what decoding them one by one computes (tests/test_kquant.py); with attention whose rows do not depend on the batch either (the native
 layers' float32 attention, native/attention.inc, or float64 attention, exact_attention.py) speculative
 greedy output equals plain greedy output.

@@ -15,7 +15,7 @@
 //   integers (the scaled dot product, the mins term) meet the float scales in one fixed formula and
 //   order (kquant_dots.inc's epilogue), whichever path computed them: row by row (kquant_dots.inc),
 //   several rows per vector (the same), or tiles of 8 rows in the vector lanes (kquant_tiles.inc, from
-//   16 or 24 rows of x on, AVX-VNNI; 16 rows from 16 on in the 512-bit build). Q4_0/Q5_0/Q8_0: per block, its integer dot product's 8 lanes times the block
+//   12 or 16 rows of x on, AVX-VNNI; 16 rows from 9 on in the 512-bit build). Q4_0/Q5_0/Q8_0: per block, its integer dot product's 8 lanes times the block
 //   scales' product (w.d * x.d), accumulated lane by lane in block order, the lanes summed last. Either way
 //   the result is bit-identical row by row, whatever M, the path or the thread.
 // - No fused contraction beyond the explicit fmadd (compiled with -ffp-contract=off).
@@ -119,6 +119,16 @@ struct Job {
     int64_t tiled = 0;        // rows of x the K-quant parts compute in tiles (the last may be partial; 0: none)
 };
 
+// Output channel n of x's rows m .. m + rows - 1: their sums, plus the channel's bias where the part has one.
+inline void put_column(const Part& part, const Job& job, int64_t n, int64_t m, int64_t rows, const float* sums) {
+    const float bias = part.bias == nullptr ? 0.0f : part.bias[n];
+    for (int64_t r = 0; r < rows; ++r) {
+        float y = sums[r];
+        if (part.bias != nullptr) y += bias;
+        job.out[(m + r) * job.N + part.offset + n] = y;
+    }
+}
+
 // ---- the dot products, compiled for each ISA (kquant_dots.inc) ------------------------------------
 
 #define KQ_ZMM 0  // the 256-bit builds
@@ -216,7 +226,6 @@ void run_chunk(const void* ctx, int64_t chunk) {
             const char* ahead = reinterpret_cast<const char*>(w + PREFETCH_ROWS * row_bytes);
             for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
         }
-        const float bias = part.bias == nullptr ? 0.0f : part.bias[n];
         float res[MAX_MR];
         const int64_t pass = rows_per_pass(job.isa);
         for (int64_t m = m_first; m < job.M; m += pass) {
@@ -231,11 +240,7 @@ void run_chunk(const void* ctx, int64_t chunk) {
                 case 2: dot_rows<2>(part, w, job, m, res); break;
                 default: dot_rows<1>(part, w, job, m, res); break;
             }
-            for (int64_t r = 0; r < rows; ++r) {
-                float y = res[r];
-                if (part.bias != nullptr) y += bias;
-                job.out[(m + r) * job.N + part.offset + n] = y;
-            }
+            put_column(part, job, n, m, rows, res);
         }
     }
 }
