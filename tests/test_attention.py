@@ -155,3 +155,41 @@ def test_two_sessions_forwarding_at_once_on_one_model_get_their_own_rows() -> No
 
     run_at_once(lambda: run(0), lambda: run(1))
     assert torch.equal(together[0], alone[0]) and torch.equal(together[1], alone[1])
+
+
+def wide_tiles_supported() -> bool:
+    before = native.attention_tile_rows()
+    try:
+        native.attention_tile_rows(12)
+    except ValueError:
+        return False
+    native.attention_tile_rows(before)
+    return True
+
+
+@pytest.mark.skipif(not wide_tiles_supported(), reason="tiles of 12 rows need AVX-512VL")
+@pytest.mark.parametrize("T", [1, 2, 3, 5, 16])
+def test_tiles_of_12_rows_give_the_bits_of_tiles_of_6(T) -> None:
+    """With AVX-512VL a tile holds 12 query rows (a sequence's 2 rows of 6 heads read its keys once); each row is
+    still the same chain of operations, so the bits are those of 6-row tiles, masked or causal, in a batch."""
+    torch.manual_seed(T)
+    B, S, D = 3, 40, 128
+    q, k, v = torch.randn(B, HQ, T, D), torch.randn(B, HKV, S, D), torch.randn(B, HKV, S, D)
+    mask = torch.where(torch.rand(B, T, S) < 0.2, torch.tensor(-torch.inf), torch.randn(B, T, S))
+    before = native.attention_tile_rows()
+    try:
+        runs = {}
+        for rows in (6, 12):
+            assert native.attention_tile_rows(rows) in (6, 12)
+            runs[rows] = attend(q, k, v), attend(q, k, v, mask), attend(q, k, v, threads=1)
+    finally:
+        native.attention_tile_rows(before)
+    for narrow, wide in zip(runs[6], runs[12], strict=True):
+        assert torch.equal(narrow, wide)
+    assert torch.allclose(runs[12][0].double(), reference(q, k, v, causal(T, S)), atol=1e-5)
+
+
+def test_a_tile_size_other_than_6_or_12_is_refused() -> None:
+    for rows in (-1, 7, 16):
+        with pytest.raises(ValueError, match="attention_tile_rows"):
+            native.attention_tile_rows(rows)

@@ -99,6 +99,8 @@ PYBIND11_MODULE(_layer_native, m) {
           py::arg("k"), py::arg("v"), py::arg("s"), py::arg("batch_stride"), py::arg("head_stride"), py::arg("mask"),
           py::arg("mask_batch_stride"), py::arg("scale"), py::arg("out"), py::arg("threads"),
           "float32 attention whose rows never depend on the call's shape (attention.inc)");
+    m.def("attention_tile_rows", &attention_tile_rows, py::arg("rows") = 0,
+          "query rows per attention tile (6, or 12 with AVX-512VL); sets it unless 0, returns the one before");
     m.def("silu_mul", &silu_mul, py::arg("gate_up"), py::arg("rows"), py::arg("i"), py::arg("out"),
           "out [rows, i] = silu(gate_up[:, :i]) * gate_up[:, i:] (layer_loop.inc)");
     py::class_<Layers>(m, "Layers", py::dynamic_attr(), "a model's decoder layers in one native call (layer_loop.inc)")
