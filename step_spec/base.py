@@ -160,8 +160,10 @@ def step_tokens(ctx: StepContext) -> int:
     return cap if ctx.token_room is None else max(1, min(cap, ctx.token_room))
 
 
-async def write_step(ctx: StepContext, tier: Tier, messages: list[dict[str, str]] | None = None) -> Written:
-    """Let the `tier` model write one step continuing `messages` (default: the context's)."""
+async def write_step(ctx: StepContext, tier: Tier, messages: list[dict[str, str]] | None = None, *,
+                     logprobs: bool = False) -> Written:
+    """Let the `tier` model write one step continuing `messages` (default: the context's); `logprobs` keeps its
+    tokens' log-probabilities in the completion (the confidence gate reads them)."""
     model = ctx.model(tier)
     messages = messages if messages is not None else ctx.messages()
     request = GenerationRequest(
@@ -173,6 +175,7 @@ async def write_step(ctx: StepContext, tier: Tier, messages: list[dict[str, str]
         temperature=ctx.temperature,
         seed=ctx.seed,
         session_id=ctx.session_id,
+        logprobs=logprobs,
     )
     completion = await model.generate(request)
     raw = completion.text_with_stop  # the step through its delimiter (or </think>)

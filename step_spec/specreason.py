@@ -187,6 +187,11 @@ class SpecReasonRun:
         self._ahead: tuple[str, asyncio.Task[Written]] | None = None  # (reasoning it continues, draft task)
         self._probed = False
 
+    @property
+    def _gated(self) -> bool:
+        """Whether the confidence gate reads the drafts' token log-probabilities (asked of the small model)."""
+        return self.options.gate_logprob is not None
+
     async def next_step(self, ctx: StepContext) -> StepOutcome:
         if not self._probed:
             await self._probe_scores(ctx)
@@ -231,7 +236,8 @@ class SpecReasonRun:
         if o.lookahead and not (draft.step.ends_thinking or draft.step.kind in ("final", "empty")):
             # guess that the draft passes: draft the following step while the judge works
             guess = with_reasoning(ctx, ctx.reasoning + draft.step.text)
-            self._ahead = (ctx.reasoning + draft.step.text, asyncio.create_task(write_step(ctx, "small", guess)))
+            self._ahead = (ctx.reasoning + draft.step.text,
+                           asyncio.create_task(write_step(ctx, "small", guess, logprobs=self._gated)))
         verdict = await self.verifier.judge(messages, draft.step.text)
         keep = verdict.details.get("keep_chars", 0)
         if verdict.accept:
@@ -297,7 +303,7 @@ class SpecReasonRun:
             if reasoning == ctx.reasoning:
                 return await task, True
             await cancel(task)
-        return await write_step(ctx, "small"), False
+        return await write_step(ctx, "small", logprobs=self._gated), False
 
     async def _drop_lookahead(self) -> None:
         if self._ahead is not None:

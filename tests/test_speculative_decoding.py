@@ -192,13 +192,15 @@ def test_token_logprobs_are_the_models_own(kind, tiny_engine_factory) -> None:
     prompt = repetitive_prompt(3)
     drafter = None if kind == "plain" else SuffixDrafter(SuffixCache(max_depth=24))
     decoder = SpeculativeDecoder(engine, drafter)
-    result = decoder.generate(prompt, max_new_tokens=24, stop_token_ids=[])
+    result = decoder.generate(prompt, max_new_tokens=24, stop_token_ids=[], logprobs=True)
     out = result.token_ids
     assert len(result.token_logprobs) == len(out) == 24
+    unasked = decoder.generate(prompt, max_new_tokens=24, stop_token_ids=[])  # not asked for: none computed
+    assert unasked.token_ids == out and unasked.token_logprobs == []
     full = torch.log_softmax(engine.logits_for_prefix(prompt + out), dim=-1)
     expected = [float(full[len(prompt) - 1 + i, t]) for i, t in enumerate(out)]
     assert result.token_logprobs == pytest.approx(expected, abs=1e-4)
     stop = out[5]
-    cut = decoder.generate(prompt, max_new_tokens=24, stop_token_ids=[stop])
+    cut = decoder.generate(prompt, max_new_tokens=24, stop_token_ids=[stop], logprobs=True)
     assert cut.token_ids == out[: out.index(stop) + 1]
     assert cut.token_logprobs == pytest.approx(expected[: len(cut.token_ids)], abs=1e-4)

@@ -41,6 +41,29 @@ def test_gate_keeps_confident_drafts_unchecked_and_checks_the_unsure_one() -> No
         SpecReason(gate_logprob=0.5)
 
 
+class AskedModel(AgreeingModel):
+    """Records whether each generation asked for its tokens' log-probabilities."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.asked: list[bool] = []
+
+    async def generate(self, request: GenerationRequest):
+        self.asked.append(request.logprobs)
+        return await super().generate(request)
+
+
+@pytest.mark.parametrize("gate", [-1.0, None])
+def test_the_small_models_drafts_carry_logprobs_only_where_the_gate_reads_them(gate) -> None:
+    """A local model computes token log-probabilities only when asked (a pass over the vocabulary per token);
+    the gate's drafts ask, the large model's steps and an ungated run's drafts do not."""
+    small = AskedModel(STEPS, gaps={"41": 2.0}, name="small")
+    large = AskedModel([" 34 so far.\n\n"], gaps={"41": 3.0}, name="large")
+    run(StepLoop(small, large, SpecReason(judge="agreement", gate_logprob=gate)))
+    assert small.asked and set(small.asked) == {gate is not None}
+    assert not any(large.asked)
+
+
 def step_index_router(path: Path, from_step: int) -> Path:
     """A router that sends steps from `from_step` on to the large model."""
     LogisticRouter([10.0], -10.0 * (from_step - 0.5), [0.0], [1.0], feature_names=["step_index"]).save(path)
@@ -64,7 +87,7 @@ def test_own_confidence_from_the_decoder_equals_a_scoring_pass(tiny_model_dir) -
     """The decoder's per-token log-probabilities give the same confidence as re-scoring the step."""
     model = LocalModel(str(tiny_model_dir), dtype="float32", name="tiny")
     messages = [{"role": "user", "content": "w5 w6 w7 w5 w6 w7 w5 w6"}]
-    completion = asyncio.run(model.generate(GenerationRequest(messages=messages, max_new_tokens=12)))
+    completion = asyncio.run(model.generate(GenerationRequest(messages=messages, max_new_tokens=12, logprobs=True)))
     assert len(completion.token_logprobs) == len(completion.token_ids) == 12
     free = asyncio.run(own_confidence(model, messages, completion, completion.text))
     scores = asyncio.run(model.continuation_scores(model.render(messages), completion.text))

@@ -48,7 +48,8 @@ class GenerationResult:
     finish_reason: str  # "stop" (a stop token or stop string) or "length" (max_new_tokens)
     stats: SpecStats = field(default_factory=SpecStats)
     matched_stop: str | int | None = None  # the stop string or stop token that ended generation
-    token_logprobs: list[float] = field(default_factory=list)  # each output token's log-probability (temperature 1)
+    token_logprobs: list[float] = field(default_factory=list)  # each output token's log-probability (temperature 1),
+    # where asked for (`logprobs`), else []
 
 
 @dataclass(slots=True)
@@ -71,7 +72,8 @@ class _Generation:
     context: list[int] = field(default_factory=list)  # prompt + committed output
     probes: list[tuple[list[int], int]] = field(default_factory=list)  # unverified drafts: tokens, next to check
     output: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)  # of each output token, from the verify rows
+    logprobs: list[float] = field(default_factory=list)  # of each output token, from the verify rows (if kept)
+    keep_logprobs: bool = False  # whether to compute them (a pass over the vocabulary per kept token)
     finish: str = "length"
     matched: str | int | None = None
     draft_s: float = 0.0
@@ -142,6 +144,7 @@ class SpeculativeDecoder:
         session_id: Hashable | None = None,
         on_tokens: Callable[[list[int]], None] | None = None,
         constraint: Constraint | None = None,
+        logprobs: bool = False,
     ) -> GenerationResult:
         """Continue `prompt_ids` by up to `max_new_tokens` tokens.
 
@@ -160,10 +163,13 @@ class SpeculativeDecoder:
         token, stop string and length cuts: what it is given is always a prefix of the final
         `token_ids`), for streaming. To stop the generation early it raises; the decoder releases its
         state and the exception propagates.
+
+        `logprobs` keeps each output token's log-probability (temperature 1) in `token_logprobs` (else []):
+        no extra forward, but a pass over the vocabulary per token (1.5B, 8 streams at once: 4% of a run).
         """
         return run_inline(self.engine, self.rounds(
             prompt_ids, max_new_tokens, sampling, stop_token_ids, seed, request_id, stop_strings, session_id,
-            on_tokens, constraint))
+            on_tokens, constraint, logprobs=logprobs))
 
     def rounds(
         self,
@@ -178,13 +184,14 @@ class SpeculativeDecoder:
         on_tokens: Callable[[list[int]], None] | None = None,
         constraint: Constraint | None = None,
         share: DraftShare | None = None,
+        logprobs: bool = False,
     ) -> Rounds[GenerationResult]:
         """`generate` as a coroutine: it yields each target forward it needs (a `ForwardCall`) and is sent
         its logits, so a scheduler can run the forwards of many generations together (models/engine/scheduler.py).
         `share` (from a scheduler) caps each round's draft by the batch's goodput plan."""
         gen = self._new_generation(prompt_ids, max_new_tokens, sampling, stop_token_ids, seed, request_id,
                                    stop_strings)
-        gen.constraint, gen.share = constraint, share
+        gen.constraint, gen.share, gen.keep_logprobs = constraint, share, logprobs
         if share is not None:
             gen.accept_rate = share.prior
         yield from self._prefill(gen, session_id)
@@ -314,7 +321,7 @@ class SpeculativeDecoder:
         forward_s = time.perf_counter() - t0
         gen.verify_s += forward_s
         return _Round(draft, probe, acceptance, fed=len(tokens), forward_s=forward_s,
-                      logprobs=path_logprobs(logits, draft, acceptance))
+                      logprobs=path_logprobs(logits, draft, acceptance) if gen.keep_logprobs else [])
 
     def _rollback(self, session, start: int, acceptance: Acceptance, tree: bool) -> None:
         """Keep in the KV cache only the fed token and the accepted path after `start`."""

@@ -39,6 +39,8 @@ class GenerationRequest:
     speculative: bool = True  # token-level speculation (lossless); off gives the plain baseline
     session_id: str | None = None  # an agent session: this prompt extends the session's last one
     grammar: GrammarSpec | None = None  # the output must match it (a backend refuses a kind it cannot enforce)
+    logprobs: bool = False  # keep each output token's log-probability in `Completion.token_logprobs` (where a
+    # backend gives them: the local engine reads them off its verify rows, no extra forward)
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):
@@ -80,7 +82,8 @@ class Completion:
     first_token_s: float = 0.0
     model: str = ""
     spec: SpecStats = field(default_factory=SpecStats)
-    token_logprobs: list[float] = field(default_factory=list)  # per token of `token_ids`; [] where a backend does not say
+    token_logprobs: list[float] = field(default_factory=list)  # per token of `token_ids` where the request asked
+    # for them (`logprobs`); [] otherwise, or where a backend does not say
 
     @property
     def text_with_stop(self) -> str:

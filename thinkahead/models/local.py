@@ -262,6 +262,7 @@ class LocalModel(LanguageModel):
             on_tokens=on_tokens,
             constraint=constraint,
             share=scheduler.share(),
+            logprobs=request.logprobs,
         )
         if self.recorder is not None:
             self.recorder.record(self.name, request.session_id, ids, result.token_ids)
