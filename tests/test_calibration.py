@@ -107,3 +107,19 @@ def test_a_curve_measured_under_other_load_serves_its_process_but_is_not_kept(en
     assert scheduler.cost.calibrated and "not keeping" in caplog.text
     assert calibration.load("tiny", store) is None
     assert calibration.plausible(CURVE) and not calibration.plausible(noisy)
+
+
+def test_calibrate_measures_before_any_work_and_refuses_once_work_runs(engine, store, measured, monkeypatch) -> None:
+    """`calibrate()` (a named LocalModel calls it at load) measures in the caller's thread, while nothing else runs;
+    the first batch then reads the curve instead of timing forwards among its own requests' work."""
+    from thinkahead.models.engine.scheduler import BatchScheduler
+
+    monkeypatch.setattr(engine, "calibration_key", "tiny", raising=False)
+    scheduler = BatchScheduler(engine, name="tiny")
+    scheduler.calibrate()
+    assert measured == [engine] and scheduler.cost.calibrated and scheduler.steps == 0
+    assert calibration.load("tiny", store) == CURVE
+    scheduler.run(lambda: 7)  # the scheduler's thread starts with work
+    with pytest.raises(RuntimeError, match="before any work"):
+        scheduler.calibrate()
+    scheduler.close()

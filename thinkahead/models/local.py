@@ -124,6 +124,8 @@ class LocalModel(LanguageModel):
             BatchScheduler(self.engine, name=self.name, max_tokens=live, max_rows=config.max_batch_rows,
                            prefill_chunk=config.prefill_chunk) if self.draft is None
             else self.draft.scheduler.lane(self.engine, max_tokens=live))
+        if spec is not None:  # measured (once per machine) while nothing else runs, or read from the store
+            self.scheduler.calibrate()
         self.recorder = TokenRecorder(record) if record is not None else None  # for `thinkahead simulate`
 
     # ------------------------------------------------------------------ LanguageModel

@@ -22,12 +22,11 @@ Memory: under a KV budget (`max_tokens`) a generation starts only while the live
 and longest output each) leave room for its own; the rest wait in arrival order. Nothing live is ever preempted.
 
 Load: a long prompt is prefilled in pieces of `prefill_chunk` tokens while others decode, so it holds them
-for one piece per step at most; a step holds at most `max_rows` rows (decode rounds first, then prefill
-chunks, the shortest prompt left first, so one that joins beside a long prompt is not held behind it; at least
-one call per step). Speculation is sized by goodput (SmartSpec): after
-each forward the scheduler plans every sequence's next draft length from its acceptance rate and the
-measured cost of a forward by its rows (`goodput.allocate`), so it speculates where drafts hit and backs off as the
-batch fills; a sequence alone is left to its decoder's own controller.
+for one piece per step at most; a step holds at most `max_rows` rows (decode rounds first, then prefill chunks,
+the shortest prompt left first, so one that joins beside a long prompt is not held behind it; at least one call
+per step). Speculation is sized by goodput (SmartSpec): after each forward the scheduler plans every sequence's
+next draft length from its acceptance rate and the measured cost of a forward by its rows (`goodput.allocate`),
+so it speculates where drafts hit and backs off as the batch fills; a sequence alone is left to its decoder's.
 """
 
 from __future__ import annotations
@@ -51,9 +50,7 @@ from thinkahead.token_spec.names import ACCEPT_PRIOR, MAX_BATCH_ROWS, MAX_DRAFT,
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-# A prompt passed over this many steps by shorter ones is read first (with 64-row pieces, an 8k-token prompt
-# yields for at most 8 steps in a row, then takes a piece).
-PREFILL_PATIENCE = 8
+PREFILL_PATIENCE = 8  # steps a prompt is passed over by shorter ones before it is read (then it takes a piece)
 PRIOR_SMOOTHING = 0.1  # how far one sequence's reported acceptance moves its engine's prior for new ones
 
 
@@ -394,6 +391,13 @@ class BatchScheduler:
         for lane in lanes:
             self._step(lane)
 
+    def calibrate(self) -> None:
+        """Measure (or read) the main engine's forward cost now, before any work (`LocalModel` does at load): at
+        the first batch it was timed among the run's other starting work (1.5B: 8 rows 51-57 ms against 48)."""
+        if self._thread is not None:  # its thread would time its forwards among the work's
+            raise RuntimeError(f"calibrate {self.name}'s scheduler before any work is submitted to it")
+        self._calibrate(self._main)
+
     def _on(self, item: _Live) -> _Engine:
         """The engine `item`'s waiting call runs on: its own, or the one the call names (a draft model's)."""
         engine = item.call.engine
@@ -481,6 +485,9 @@ class Lane:
 
     def share(self) -> _Share:
         return self.scheduler.share()
+
+    def calibrate(self) -> None:  # BatchScheduler.calibrate for this lane's engine (the thread may run others')
+        self.scheduler._calibrate(self._lane)
 
     @property
     def live(self) -> int:
