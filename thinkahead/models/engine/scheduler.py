@@ -88,7 +88,7 @@ class _Engine:
     cost: RowCost = field(default_factory=RowCost)  # rows - 1 -> s
     prior: float = ACCEPT_PRIOR  # what its sequences' drafts have shown: where a new one's estimate starts
     trust: Trust = field(default_factory=Trust)  # how far the plan's expected accepted tokens came true
-    calibrating: bool = True  # its cost curve is still to be measured (once, when it first batches sequences)
+    calibrating: bool = True  # its cost curve is still to be measured (at load by name, else at its first batch)
 
 
 @dataclass(slots=True)
