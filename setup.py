@@ -55,6 +55,6 @@ setup(
         models_extension("_int8_native", "int8_linear.cpp"),
         models_extension("_layer_native", "layer_ops.cpp", "attention.inc", "attention_tiles.inc", "layer_loop.inc"),
         models_extension("_kquant_native", "kquant_linear.cpp", "kquant_dots.inc", "kquant_layout.inc", "kquant_tiles.inc",
-                         "kquant_rows.inc", "kquant_zmm_probe.inc", "kquant_quantize.inc", "kquant_spans.inc"),
+                         "kquant_rows.inc", "kquant_zmm_probe.inc", "kquant_quantize.inc", "kquant_spans.inc", "kquant_amx.inc"),
     ],
 )

@@ -191,11 +191,42 @@ def test_every_isa_build_gives_the_avx2_builds_bits(name) -> None:
     for isa in isas[1:]:
         for a, b in zip(outputs["avx2"], outputs[isa], strict=True):
             assert torch.equal(a, b), isa
-    with pytest.raises(ValueError, match="avx2, avxvnni, avx512vnni or avx512vnni-zmm"):
+    with pytest.raises(ValueError, match="avx2, avxvnni, avx512vnni, avx512vnni-zmm or avx512vnni-amx"):
         native.set_isa("sse")
-    # the best build by default: the 512-bit products where they were measured to pay
-    expected = "avx512vnni-zmm" if native.zmm_pays() else [i for i in isas if i != "avx512vnni-zmm"][-1]
+    # the best build by default: AMX's tiles where the CPU has them, else the 512-bit products where they were
+    # measured to pay
+    vector_builds = [i for i in isas if i not in ("avx512vnni-zmm", "avx512vnni-amx")]
+    expected = ("avx512vnni-amx" if "avx512vnni-amx" in isas
+                else "avx512vnni-zmm" if native.zmm_pays() else vector_builds[-1])
     assert native.isa() == expected
+
+
+@pytest.mark.parametrize("kind", [T.Q4_K, T.Q6_K])
+def test_amx_tiles_give_the_vector_tiles_bits(kind) -> None:
+    """AMX multiplies Q4_K's tiles from 24 rows of x (Q6_K stays on the vector tiles): tiles in pairs and one alone
+    (40 rows: three tiles), passes of fewer weight rows (a chunk's last: 40 rows in chunks of 16), long rows (the
+    next pass's weights asked for while the first tile multiplies) and both threads' scratch give every output
+    the bits of the 512-bit vector tiles."""
+    native = kquant.kernel()
+    if "avx512vnni-amx" not in native.isas():
+        pytest.skip("this CPU (or its kernel) has no AMX")
+    layer = kquant.GGUFLinear([quant_tensor("w", kind, 40, 256 * 9, seed=5)[0],
+                               quant_tensor("v", kind, 24, 256 * 9, seed=6)[0]], torch.randn(64))
+    x = torch.randn(56, 256 * 9) * 3
+    sizes = (1, 16, 24, 33, 40, 56)
+    best, tile_from = native.isa(), native.tile_from()
+    outputs = {}
+    try:
+        for isa in ("avx512vnni-zmm", "avx512vnni-amx"):
+            native.set_isa(isa)
+            native.set_tile_from(1)
+            outputs[isa] = [layer(x[:m]) for m in sizes]
+    finally:
+        native.set_isa(best)
+        native.set_tile_from(tile_from)
+    for m, a, b in zip(sizes, outputs["avx512vnni-zmm"], outputs["avx512vnni-amx"], strict=True):
+        assert torch.equal(a, b), m
+    assert torch.equal(outputs["avx512vnni-amx"][-1][:24], outputs["avx512vnni-amx"][2])
 
 
 @pytest.mark.parametrize("name", ["Q4_K", "Q5_0"])

@@ -26,7 +26,9 @@ vectors (`avx512vnni-zmm`: half the multiplies, tiles of 16 rows of x), whose mu
 integers in the same lanes: the same bits either way (`set_isa`, `isas` in tests). The best the CPU has
 runs; the 512-bit build only where a one-off probe measures 512-bit multiplies paying (`zmm_pays`: AMD Zen 5
 yes; CPUs that split or fuse them, as Zen 4 and many Intel cores, keep 256-bit vectors). Tiles need one of
-the VNNI builds (AVX-512 VNNI alone, as on Ice Lake and Cascade Lake servers, is enough).
+the VNNI builds (AVX-512 VNNI alone, as on Ice Lake and Cascade Lake servers, is enough). Where the CPU has
+AMX-INT8 and Linux grants its tile registers (Sapphire Rapids on), `avx512vnni-amx` is the 512-bit build with
+its Q4_K tiles of 24 rows of x or more on AMX (native/kquant_amx.inc: 1.1-1.2x a prefill's forward, the same bits).
 
 Block types: Q4_K and Q6_K (256 values per block; Q4_K_M files), Q5_0 and Q8_0 (32 values; the
 0.5B's Q4_K_M file uses them where rows are not a multiple of 256), Q4_0 (32 values; Q4_0 files). Any other type is refused by

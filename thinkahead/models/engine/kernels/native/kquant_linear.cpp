@@ -15,7 +15,7 @@
 //   integers (the scaled dot product, the mins term) meet the float scales in one fixed formula and
 //   order (kquant_dots.inc's epilogue), whichever path computed them: row by row (kquant_dots.inc),
 //   several rows per vector (the same), or tiles of 8 rows in the vector lanes (kquant_tiles.inc, from
-//   12 or 16 rows of x on, AVX-VNNI; 16 rows from 9 on in the 512-bit build). Q4_0/Q5_0/Q8_0: per block, its integer dot product's 8 lanes times the block
+//   12 or 16 rows of x on, AVX-VNNI; 16 rows from 9 on in the 512-bit build; Q4_K on AMX from 24: kquant_amx.inc). Q4_0/Q5_0/Q8_0: per block, its integer dot product's 8 lanes times the block
 //   scales' product (w.d * x.d), accumulated lane by lane in block order, the lanes summed last. Either way
 //   the result is bit-identical row by row, whatever M, the path or the thread.
 // - No fused contraction beyond the explicit fmadd (compiled with -ffp-contract=off).
@@ -100,11 +100,12 @@ struct Part {
     int64_t offset;     // first output column
 };
 
-// Builds of the dot products, by preference (AVX512_ZMM where this CPU's 512-bit multiplies pay: zmm_pays).
-enum Isa : int { AVX2 = 0, AVX_VNNI = 1, AVX512_VNNI = 2, AVX512_ZMM = 3 };
+// Builds of the dot products, by preference (AVX512_ZMM where this CPU's 512-bit multiplies pay: zmm_pays;
+// AVX512_AMX: AVX512_ZMM with its tiles on AMX, where the CPU has it and Linux grants it: kquant_amx.inc).
+enum Isa : int { AVX2 = 0, AVX_VNNI = 1, AVX512_VNNI = 2, AVX512_ZMM = 3, AVX512_AMX = 4 };
 constexpr int64_t rows_per_pass(int isa) { return isa >= AVX512_VNNI ? MAX_MR : 4; }  // see MAX_MR
-constexpr int64_t tile_width(int isa) { return isa == AVX512_ZMM ? TILE16 : TILE; }  // rows of x per tile
-const char* const ISA_NAMES[] = {"avx2", "avxvnni", "avx512vnni", "avx512vnni-zmm"};
+constexpr int64_t tile_width(int isa) { return isa >= AVX512_ZMM ? TILE16 : TILE; }  // rows of x per tile
+const char* const ISA_NAMES[] = {"avx2", "avxvnni", "avx512vnni", "avx512vnni-zmm", "avx512vnni-amx"};
 
 struct Job {
     std::vector<Part> parts;
@@ -175,6 +176,7 @@ namespace isa_zmm {  // isa_avx512 with the Q4_K/Q6_K products in 512-bit vector
 #define KQ_ZMM 1
 #include "kquant_dots.inc"
 #include "kquant_tiles.inc"
+#include "kquant_amx.inc"
 #undef KQ_DPBUSD
 #undef KQ_DPWSSD
 #undef KQ_ZMM
@@ -186,6 +188,7 @@ namespace isa_zmm {  // isa_avx512 with the Q4_K/Q6_K products in 512-bit vector
 template <int MR>
 void dot_rows(const Part& part, const uint8_t* w, const Job& job, int64_t m, float* res) {
     switch (job.isa) {
+        case AVX512_AMX:
         case AVX512_ZMM: isa_zmm::dot_rows<MR>(part, w, job, m, res); break;
         case AVX512_VNNI: isa_avx512::dot_rows<MR>(part, w, job, m, res); break;
         case AVX_VNNI: isa_vnni::dot_rows<MR>(part, w, job, m, res); break;
@@ -195,7 +198,9 @@ void dot_rows(const Part& part, const uint8_t* w, const Job& job, int64_t m, flo
 
 template <int TYPE>
 void tiled_rows(const Part& part, const Job& job, int64_t first, int64_t last, int64_t row_bytes) {
-    if (job.isa == AVX512_ZMM) isa_zmm::tiled_rows<TYPE>(part, job, first, last, row_bytes);
+    if (job.isa == AVX512_AMX && TYPE == Q4_K && job.tiled >= isa_zmm::AMX_FROM_ROWS)
+        isa_zmm::amx_rows(part, job, first, last, row_bytes);
+    else if (job.isa >= AVX512_ZMM) isa_zmm::tiled_rows<TYPE>(part, job, first, last, row_bytes);
     else if (job.isa == AVX512_VNNI) isa_avx512::tiled_rows<TYPE>(part, job, first, last, row_bytes);
     else isa_vnni::tiled_rows<TYPE>(part, job, first, last, row_bytes);
 }
@@ -214,7 +219,7 @@ void run_chunk(const void* ctx, int64_t chunk) {
         else tiled_rows<Q6_K>(part, job, job.chunk_first[chunk], last, row_bytes);
         if (m_first == job.M) return;
     }
-    if (job.isa == AVX512_ZMM && kquant && job.M - m_first >= 2 && job.M - m_first <= MAX_MR && job.K / QK_K >= SPAN_FROM_BLOCKS) {
+    if (job.isa >= AVX512_ZMM && kquant && job.M - m_first >= 2 && job.M - m_first <= MAX_MR && job.K / QK_K >= SPAN_FROM_BLOCKS) {
         spanned_rows(part, job, job.chunk_first[chunk], last, row_bytes, m_first);
         return;
     }
@@ -247,14 +252,16 @@ void run_chunk(const void* ctx, int64_t chunk) {
 
 bool isa_supported(int which) {
     __builtin_cpu_init();
-    if (which == AVX512_VNNI || which == AVX512_ZMM)
+    if (which >= AVX512_VNNI)
         return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
-               __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
+               __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni") &&
+               (which != AVX512_AMX || isa_zmm::amx_usable());
     return which == AVX2 || (which == AVX_VNNI && __builtin_cpu_supports("avxvnni"));
 }
 
 int best_isa() {
     static const int best = [] {
+        if (isa_supported(AVX512_AMX)) return static_cast<int>(AVX512_AMX);
         for (int which = AVX512_VNNI; which > AVX2; --which)
             if (isa_supported(which)) return which == AVX512_VNNI && zmm_pays() ? AVX512_ZMM : which;
         return static_cast<int>(AVX2);
@@ -287,13 +294,13 @@ int current_isa() {
 std::string isa() { return ISA_NAMES[current_isa()]; }
 
 void set_isa(const std::string& name) {
-    for (int which = AVX2; which <= AVX512_ZMM; ++which) {
+    for (int which = AVX2; which <= AVX512_AMX; ++which) {
         if (name != ISA_NAMES[which]) continue;
         if (!isa_supported(which)) throw std::invalid_argument("isa: this CPU lacks " + name);
         chosen_isa.store(which);
         return;
     }
-    throw std::invalid_argument("isa: avx2, avxvnni, avx512vnni or avx512vnni-zmm");
+    throw std::invalid_argument("isa: avx2, avxvnni, avx512vnni, avx512vnni-zmm or avx512vnni-amx");
 }
 
 // x's first `rows` rows (Q8K [rows][nb]) in tiles of W, in this thread's scratch (valid until its next call).
@@ -466,12 +473,12 @@ PYBIND11_MODULE(_kquant_native, m) {
     }, py::arg("rows"), "rows of x from which K-quant parts run in tiles of 8 or 16 (the same results; for tests and benches)");
     m.def("isa", &isa, "which build of the dot products runs: the best of avx512vnni(-zmm), avxvnni, avx2 the CPU has");
     m.def("set_isa", &set_isa, py::arg("name"),
-          "avx2, avxvnni, avx512vnni or avx512vnni-zmm (the same results; for tests and benches)");
+          "avx2, avxvnni, avx512vnni, avx512vnni-zmm or avx512vnni-amx (the same results; for tests and benches)");
     m.def("zmm_pays", [] { return isa_supported(AVX512_ZMM) && zmm_pays(); },
           "whether 512-bit multiplies pay on this CPU (measured; the avx512vnni-zmm build is then the default)");
     m.def("isas", [] {
         py::list names;
-        for (int which = AVX2; which <= AVX512_ZMM; ++which)
+        for (int which = AVX2; which <= AVX512_AMX; ++which)
             if (isa_supported(which)) names.append(ISA_NAMES[which]);
         return names;
     }, "the builds of the dot products this CPU runs");
