@@ -170,14 +170,16 @@ class StepGraph:
 
     def add_join(
         self, name: str, *, first: bool = False, merge: Callable[[list[Any]], Any] | None = None,
-        output: str | None = None,
+        output: str | None = None, decided: Callable[[list[Any], int], bool] | None = None,
     ) -> StepGraph:
         """Merge parallel branches: the outputs of its predecessors as a list (or `merge(list)`).
 
         With `first=True` it runs as soon as one branch finishes, with that branch's output, and
-        the other branches are cancelled.
+        the other branches are cancelled. With `decided`, it runs as soon as
+        `decided(outputs of the finished branches, how many are still running)` is true (the rest cannot
+        change what `merge` gives), merges the finished branches' outputs and cancels the others.
         """
-        return self._add(name, JoinSpec(first, merge), output or name, ())
+        return self._add(name, JoinSpec(first, merge, decided), output or name, ())
 
     def add_loop(
         self, name: str, *, max_iters: int, condition: Callable[[dict[str, Any]], bool] | None = None,
@@ -315,14 +317,14 @@ class StepGraph:
             preds = list(dag.predecessors(name))
             if len(preds) < 2:
                 raise GraphError(f"join {name!r} needs at least two incoming branches, has {len(preds)}")
-            if node.spec.first:
+            if node.spec.early:
                 branch = first_join_branches(dag, name)
                 for n in branch:
                     for s in dag.successors(n):
                         if s not in branch and s != name:
                             raise GraphError(
-                                f"node {n!r} is in a first-finish branch of join {name!r} but also feeds {s!r}; "
-                                "a cancelled branch must not feed anything else"
+                                f"node {n!r} is in a branch of join {name!r}, which may cancel it, but also feeds "
+                                f"{s!r}; a cancelled branch must not feed anything else"
                             )
 
     def _check_inputs(self, dag: nx.DiGraph, owner: dict[str, str]) -> None:

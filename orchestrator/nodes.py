@@ -197,15 +197,25 @@ class ForkSpec:
 
 @dataclass(slots=True, frozen=True)
 class JoinSpec:
-    """The merge of parallel branches: all of them, or with `first` the first to finish."""
+    """The merge of parallel branches: all of them, with `first` the first to finish, or with `decided` as soon
+    as `decided(outputs of the finished branches, branches still out)` says the rest cannot change the merge."""
 
     kind: ClassVar[str] = "join"
     first: bool
     merge: Callable[[list[Any]], Any] | None
+    decided: Callable[[list[Any], int], bool] | None = None
 
     def check(self, node: str) -> None:
         _flag(node, "first", self.first)
         _function(node, "merge", self.merge, optional=True)
+        _function(node, "decided", self.decided, optional=True)
+        if self.first and self.decided is not None:
+            _fail(node, "a first-finish join is decided by its first branch; give `first` or `decided`, not both")
+
+    @property
+    def early(self) -> bool:
+        """Whether it may run before all its branches finish (and then cancels the rest)."""
+        return self.first or self.decided is not None
 
 
 @dataclass(slots=True, frozen=True)

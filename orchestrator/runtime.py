@@ -2,8 +2,8 @@
 
 One `Runtime` holds the models (a small and a large tier), the step policy for `think` nodes and
 the limits. `run(graph, inputs)` runs one graph: every node starts as soon as its predecessors are
-done (independent nodes overlap), loops run their body while their condition holds, a
-first-finish join cancels the losing branches. `map(graph, items)` runs a batch with a
+done (independent nodes overlap), loops run their body while their condition holds, a join that
+fires early (first to finish, or decided) cancels the branches still running. `map(graph, items)` runs a batch with a
 concurrency limit, writes each finished run to a `ResultStore` at once and skips runs the store
 already holds. A failing node ends its run with status "error"; it never takes the batch down.
 Synchronous tool nodes run in a thread of their own (`call_in_thread`), never on the event loop.
@@ -12,11 +12,9 @@ Synchronous tool nodes run in a thread of their own (`call_in_thread`), never on
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import inspect
 import itertools
 import logging
-import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -44,6 +42,7 @@ from thinkahead.orchestrator.nodes import (
     ToolSpec,
 )
 from thinkahead.orchestrator.store import ResultStore
+from thinkahead.orchestrator.threads import ToolTimeoutError, call_in_thread  # noqa: F401 - ToolTimeoutError: re-exported
 from thinkahead.orchestrator.trace import (
     Listener,
     RunResult,
@@ -62,54 +61,6 @@ _run_ids = itertools.count()
 log = logging.getLogger(__name__)
 
 
-class ToolTimeoutError(ThinkaheadError, RuntimeError):
-    """A synchronous callable run by `call_in_thread` did not finish within its time limit."""
-
-
-async def call_in_thread(fn: Callable[..., Any], *args: Any, timeout_s: float | None = None, name: str = "tool") -> Any:
-    """`fn(*args)` in its own daemon thread, awaited without blocking the event loop.
-
-    A thread cannot be killed: past `timeout_s` (None: no limit) the caller gets `ToolTimeoutError`
-    and the thread is left to finish in the background, its result dropped. A daemon thread of its
-    own, not the loop's default executor: a hung call neither starves a shared pool nor holds up
-    `asyncio.run`'s shutdown or the interpreter's exit. It frees the loop only while `fn` runs
-    Python code or waits; one long C operation (a huge big-int power) holds the GIL, so tools
-    bound their own work (see `thinkahead.workflows.tools`).
-    """
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future = loop.create_future()
-    context = contextvars.copy_context()
-
-    def settle(value: Any, error: BaseException | None) -> None:
-        if future.done():  # the caller timed out or was cancelled
-            return
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(value)
-
-    def target() -> None:
-        value, error = None, None
-        try:
-            value = context.run(fn, *args)
-        except Exception as exc:  # noqa: BLE001 - handed to the awaiting coroutine
-            error = exc
-        except BaseException as exc:  # noqa: BLE001 - SystemExit & co. must not kill the thread silently
-            error = RuntimeError(f"{name} raised {type(exc).__name__}: {exc}")
-        try:
-            loop.call_soon_threadsafe(settle, value, error)
-        except RuntimeError:  # the loop closed while the call ran
-            log.debug("%s finished after its event loop closed; result dropped", name)
-
-    threading.Thread(target=target, name=f"thinkahead-{name}", daemon=True).start()
-    try:
-        return await asyncio.wait_for(future, timeout_s)
-    except TimeoutError:
-        log.warning("%s did not finish within %g s; its thread keeps running in the background (threads cannot "
-                    "be killed) and its result will be dropped", name, timeout_s)
-        raise ToolTimeoutError(f"{name} did not finish within {timeout_s:g} s") from None
-
-
 @dataclass
 class _Run:
     """Everything one run of a graph touches."""
@@ -121,7 +72,7 @@ class _Run:
     models: dict[str, MeteredModel]
     session: str | None = None  # a caller's session that outlives this run (a multi-turn agent)
     sessions: set[str] = field(default_factory=set)
-    winners: dict[str, str] = field(default_factory=dict)  # first-finish join -> the branch that won
+    joined: dict[str, list[str]] = field(default_factory=dict)  # an early join -> the branches it merged
 
     def session_id(self, node: str) -> str:
         """The agent session of a node: its prompts grow turn by turn (within the run, or across
@@ -239,19 +190,18 @@ class Runtime:
         deps = {n: [p for p in g.dag.predecessors(n) if p in region] for n in region}
         pending, done = set(region), set()
         running: dict[asyncio.Task, str] = {}
-        first_joins = {n for n in region if isinstance(spec := g.node(n).spec, JoinSpec) and spec.first}
+        early = {n for n in region if isinstance(spec := g.node(n).spec, JoinSpec) and spec.early}
         try:
             while pending or running:
                 for name in sorted(pending):
-                    ready = (any(p in done for p in deps[name]) if name in first_joins
-                             else all(p in done for p in deps[name]))
-                    if ready:
-                        pending.discard(name)
-                        if name in first_joins:
-                            winner = next(p for p in deps[name] if p in done)
-                            self._cancel_branches(run, name, winner, pending, running)
-                            run.winners[name] = winner
-                        running[asyncio.create_task(self._run_node(run, name))] = name
+                    finished = [p for p in deps[name] if p in done]
+                    if len(finished) < len(deps[name]) and not (name in early and self._decided(run, name, finished)):
+                        continue
+                    pending.discard(name)
+                    if name in early:
+                        self._cancel_branches(run, name, finished, pending, running)
+                        run.joined[name] = finished
+                    running[asyncio.create_task(self._run_node(run, name))] = name
                 if not running:
                     if pending:
                         raise RuntimeError(f"nodes {sorted(pending)} can never start")  # compile() prevents this
@@ -269,17 +219,32 @@ class Runtime:
             if running:
                 await asyncio.gather(*running, return_exceptions=True)
 
-    def _cancel_branches(self, run: _Run, join: str, winner: str, pending: set[str], running: dict) -> None:
-        """A first-finish join fired: stop every other branch, running or not yet started."""
-        losers = first_join_branches(run.graph.dag, join) - nx.ancestors(run.graph.dag, winner) - {winner}
+    @staticmethod
+    def _decided(run: _Run, join: str, finished: list[str]) -> bool:
+        """Whether a join that may run early can run now, with the branches `finished` (in their order)."""
+        spec, g = run.graph.node(join).spec, run.graph
+        if spec.first or not finished:
+            return bool(finished)
+        outputs = [run.state.get(g.node(p).output) for p in finished if g.node(p).output]
+        try:
+            return bool(spec.decided(outputs, len(list(g.dag.predecessors(join))) - len(finished)))
+        except Exception as exc:
+            raise NodeError(f"node {join!r} (join): its `decided` failed: {type(exc).__name__}: {exc}") from exc
+
+    def _cancel_branches(self, run: _Run, join: str, finished: list[str], pending: set[str], running: dict) -> None:
+        """A join fired before all its branches finished: stop every other branch, running or not yet started."""
+        dag = run.graph.dag
+        losers = first_join_branches(dag, join).difference(*(nx.ancestors(dag, f) | {f} for f in finished))
+        why = (f"{finished[0]!r} finished first at {join!r}" if run.graph.node(join).spec.first
+               else f"{join!r} was decided by {', '.join(map(repr, finished))}")
         for task, name in list(running.items()):
             if name in losers:
                 task.cancel()
-                run.tracer.emit("node_end", name, status="cancelled", reason=f"{winner!r} finished first at {join!r}")
+                run.tracer.emit("node_end", name, status="cancelled", reason=why)
         for name in list(pending):
             if name in losers:
                 pending.discard(name)
-                run.tracer.emit("node_end", name, status="skipped", reason=f"{winner!r} finished first at {join!r}")
+                run.tracer.emit("node_end", name, status="skipped", reason=why)
 
     async def _run_node(self, run: _Run, name: str) -> None:
         node = run.graph.node(name)
@@ -328,14 +293,15 @@ class Runtime:
     @staticmethod
     def _join(run: _Run, node: Node, spec: JoinSpec) -> dict[str, Any] | None:
         g = run.graph
+        branches = run.joined.get(node.name) or list(g.dag.predecessors(node.name))
         if spec.first:
-            winner = run.winners[node.name]
-            value = run.state.get(g.node(winner).output)
+            value = run.state.get(g.node(branches[0]).output)
             run.state[node.output] = spec.merge([value]) if spec.merge else value
-            return {"winner": winner}
-        values = [run.state.get(g.node(p).output) for p in g.dag.predecessors(node.name) if g.node(p).output]
+            return {"winner": branches[0]}
+        values = [run.state.get(g.node(p).output) for p in branches if g.node(p).output]
         run.state[node.output] = spec.merge(values) if spec.merge else values
-        return None
+        total = len(list(g.dag.predecessors(node.name)))
+        return {"decided_by": len(branches), "of": total} if len(branches) < total else None
 
     async def _loop(self, run: _Run, node: Node, spec: LoopSpec) -> dict[str, Any]:
         iters = 0

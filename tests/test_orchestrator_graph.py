@@ -144,7 +144,7 @@ def test_join_needs_two_branches_and_first_finish_branches_must_be_closed():
     g.add_edge("a", "leak")
     g.add_edge("leak", END)
     g.add_edge("j", END)
-    refused(g, "node 'a' is in a first-finish branch of join 'j' but also feeds 'leak'")
+    refused(g, "node 'a' is in a branch of join 'j', which may cancel it, but also feeds 'leak'")
 
 
 def test_bad_tier_and_bad_prompt():

@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
 from thinkahead.models import ScriptedModel
-from thinkahead.orchestrator import GraphError, Runtime
+from thinkahead.orchestrator import END, START, GraphError, Runtime, StepGraph
 from thinkahead.step_spec.policies import make_policy
 from thinkahead.workflows import build_workflow, cot, pipeline, react, refine, vote
 from thinkahead.workflows.react import parse_turn
 from thinkahead.workflows.tools import calculator
-from thinkahead.workflows.vote import majority
+from thinkahead.workflows.vote import majority, majority_decided
 
 from tests.llm_judge import LLM_JUDGE
 
@@ -102,6 +103,67 @@ def test_vote_takes_the_majority_of_sampled_chains():
     assert sorted((c.request.seed, c.request.temperature) for c in small.calls) == [(0, 0.7), (1, 0.7), (2, 0.7)]
     assert majority(["12", " 12", "13", None]) == "12"
     assert majority([]) is None
+
+
+class SlowSeeds(ScriptedModel):
+    """A scripted model whose chains take a time that depends on their seed."""
+
+    delays: dict = {}
+
+    async def generate(self, request):
+        await asyncio.sleep(self.delays.get(request.seed, 0.0))
+        return await super().generate(request)
+
+
+@pytest.mark.parametrize("early_stop", [True, False])
+def test_vote_stops_once_the_finished_chains_decide_the_majority(early_stop) -> None:
+    answers = {0: "\\boxed{391}", 1: "\\boxed{391}", 2: "\\boxed{381}", 3: "\\boxed{391}", 4: "\\boxed{381}"}
+    small = SlowSeeds(outputs=lambda prompt, request: answers[request.seed])
+    small.delays = {1: 0.05, 2: 0.1, 3: 0.15, 4: 1.5}  # 391 leads 3 to 1 with one chain out: decided
+    start = time.perf_counter()
+    result = run(vote(n=5, early_stop=early_stop), "What is 17 * 23?", small=small)
+    wall = time.perf_counter() - start
+    assert result.ok and result.answer == "391"  # what all five give: 391 three times, 381 twice
+    ends = {e["node"]: e["data"] for e in result.trace if e["kind"] == "node_end"}
+    if early_stop:
+        assert wall < 1.2
+        assert ends["chain_4"]["status"] == "cancelled"
+        assert "'answer' was decided by 'chain_0', 'chain_1', 'chain_2', 'chain_3'" in ends["chain_4"]["reason"]
+        assert (ends["answer"]["decided_by"], ends["answer"]["of"]) == (4, 5)
+    else:
+        assert wall >= 1.5
+        assert all(ends[f"chain_{i}"]["status"] == "ok" for i in range(5)) and "decided_by" not in ends["answer"]
+
+
+def test_majority_is_decided_only_when_the_rest_cannot_change_it() -> None:
+    assert majority_decided(["1", " 1", "1"], 2)  # 3 against at most 2
+    assert not majority_decided(["1", "1"], 3)  # 2 against a possible 3
+    assert not majority_decided(["1", "1", "2"], 1)  # 2 against a possible 2: a tie goes to the first seen
+    assert majority_decided(["1", "1", "2"], 0)
+    assert majority_decided(["\\frac12", "\\frac{1}{2}", None, ""], 1)  # equal once normalized; no answer: no vote
+    assert not majority_decided([None, ""], 0) and not majority_decided([], 0)
+
+
+def test_a_join_given_first_and_decided_is_refused_and_a_failing_decided_fails_its_run() -> None:
+    g = StepGraph("bad", inputs=["question"], output="answer")
+    with pytest.raises(GraphError, match="give `first` or `decided`, not both"):
+        g.add_join("answer", first=True, decided=majority_decided)
+    g = StepGraph("broken", inputs=["question"], output="answer")
+    g.add_fork("fork")
+    g.add_join("answer", decided=lambda answers, remaining: 1 / 0)
+    g.add_edge(START, "fork")
+    for i in range(2):
+
+        async def branch(state, delay=0.2 * i):
+            await asyncio.sleep(delay)
+            return "x"
+
+        g.add_tool(f"b{i}", branch)
+        g.add_edge("fork", f"b{i}")
+        g.add_edge(f"b{i}", "answer")
+    g.add_edge("answer", END)
+    result = run(g, "q")
+    assert not result.ok and "node 'answer' (join): its `decided` failed: ZeroDivisionError" in result.error
 
 
 def test_vote_first_returns_the_first_finished_chain():

@@ -21,7 +21,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from thinkahead.orchestrator.runtime import ToolTimeoutError, call_in_thread
+from thinkahead.orchestrator.threads import ToolTimeoutError, call_in_thread
 
 TOOL_TIMEOUT_S = 30.0
 """Default seconds one tool call may run before its observation becomes a timeout error."""
