@@ -16,6 +16,11 @@ Build it from the llama.cpp source that llama-cpp-python's sdist vendors (about 
   pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36 && tar xzf llama_cpp_python-0.3.36.tar.gz
   cd llama_cpp_python-0.3.36/vendor/llama.cpp && cmake -B build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
       -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF && cmake --build build --target llama-server -j 2
+On a CPU with AMX (Intel Sapphire Rapids on) that build's AMX matmul segfaults at the first forward
+(ggml_backend_amx_mul_mat, seen on a 2-vCPU Xeon); build its AVX-512 kernels without AMX there instead:
+  cmake -B build -DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_VBMI=ON \
+      -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF \
+      -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
 
 Writes bench/results/batching.json and .md (a markdown table, also printed); the CPU's flags and the load
 average go in them (timings on a busy machine do not compare). Run:

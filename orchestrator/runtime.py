@@ -194,13 +194,13 @@ class Runtime:
         try:
             while pending or running:
                 for name in sorted(pending):
-                    finished = [p for p in deps[name] if p in done]
-                    if len(finished) < len(deps[name]) and not (name in early and self._decided(run, name, finished)):
+                    arrived = [p for p in deps[name] if p in done]
+                    if len(arrived) < len(deps[name]) and not (name in early and self._decided(run, name, arrived)):
                         continue
                     pending.discard(name)
-                    if name in early:
-                        self._cancel_branches(run, name, finished, pending, running)
-                        run.joined[name] = finished
+                    if name in early:  # (each time it fires: a loop's next iteration may join other branches)
+                        self._cancel_branches(run, name, arrived, pending, running)
+                        run.joined[name] = arrived
                     running[asyncio.create_task(self._run_node(run, name))] = name
                 if not running:
                     if pending:
