@@ -171,6 +171,8 @@ def test_vote_first_returns_the_first_finished_chain():
     assert result.ok and result.answer == "5"
     with pytest.raises(GraphError, match="vote mode must be one of"):
         vote(mode="best")
+    with pytest.raises(GraphError, match="vote's early_stop must be true or false, got 'no'"):
+        vote(early_stop="no")
 
 
 def test_bad_workflow_options_are_refused_at_build_time_naming_the_node():

@@ -43,6 +43,8 @@ def vote(*, n: int = 3, mode: str = "majority", temperature: float = 0.7, max_st
         raise GraphError(f"vote mode must be one of {VOTE_MODES}, got {mode!r}")
     if n < 2:
         raise GraphError(f"vote needs n >= 2 chains, got {n}")
+    if not isinstance(early_stop, bool):
+        raise GraphError(f"vote's early_stop must be true or false, got {early_stop!r}")
     g = StepGraph("vote", inputs=["question"], output="answer", answer_extractor=extract_final_answer)
     g.add_fork("fork")
     g.add_join("answer", first=mode == "first", merge=None if mode == "first" else majority,
