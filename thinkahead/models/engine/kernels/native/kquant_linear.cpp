@@ -471,7 +471,7 @@ PYBIND11_MODULE(_kquant_native, m) {
         if (rows < TILE_FROM_AUTO) throw std::invalid_argument("set_tile_from: rows >= 0 (0: never), or -1 (by the ISA)");
         tile_from.store(rows);
     }, py::arg("rows"), "rows of x from which K-quant parts run in tiles of 8 or 16 (the same results; for tests and benches)");
-    m.def("isa", &isa, "which build of the dot products runs: the best of avx512vnni(-zmm), avxvnni, avx2 the CPU has");
+    m.def("isa", &isa, "which build of the dot products runs: the best of avx512vnni(-amx, -zmm), avxvnni, avx2 the CPU has");
     m.def("set_isa", &set_isa, py::arg("name"),
           "avx2, avxvnni, avx512vnni, avx512vnni-zmm or avx512vnni-amx (the same results; for tests and benches)");
     m.def("zmm_pays", [] { return isa_supported(AVX512_ZMM) && zmm_pays(); },
