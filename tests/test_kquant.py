@@ -9,6 +9,8 @@ equals plain greedy; the header reader agrees with gguf's and refuses truncated 
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -37,6 +39,17 @@ def random_blocks(kind: T, rows: int, cols: int, seed: int) -> np.ndarray:
     else:  # Q6_K: d last
         blocks[:, :, 208:210] = scales
     return blocks.reshape(rows, -1)
+
+
+@contextlib.contextmanager
+def restored_kernel_settings(native):
+    """The kernel's build and tile threshold as they were, whatever a test sets inside."""
+    best, tile_from = native.isa(), native.tile_from()
+    try:
+        yield
+    finally:
+        native.set_isa(best)
+        native.set_tile_from(tile_from)
 
 
 def quant_tensor(name: str, kind: T, rows: int, cols: int, seed: int = 0) -> tuple[kquant.QuantTensor, np.ndarray]:
@@ -149,18 +162,14 @@ def test_long_rows_in_spans_give_the_avx2_builds_bits(kind) -> None:
         pytest.skip("spans run in the 512-bit build")
     layer = kquant.GGUFLinear([quant_tensor("w", kind, 20, 256 * 21, seed=11)[0]], torch.randn(20))
     x = torch.randn(21, 256 * 21) * 2
-    best, tile_from = native.isa(), native.tile_from()
     outputs = {}
-    try:
+    with restored_kernel_settings(native):
         for isa in ("avx2", "avx512vnni-zmm"):
             native.set_isa(isa)
             native.set_tile_from(0)
             outputs[isa] = [layer(x[:m]) for m in range(1, 9)]
             native.set_tile_from(16)  # a tile of 16 rows, then 5 in a span (or row by row)
             outputs[isa].append(layer(x))
-    finally:
-        native.set_isa(best)
-        native.set_tile_from(tile_from)
     for m, (a, b) in enumerate(zip(outputs["avx2"], outputs["avx512vnni-zmm"], strict=True)):
         assert torch.equal(a, b), m + 1
     assert torch.equal(outputs["avx2"][-1][:8], outputs["avx2"][7])  # rows are rows, whatever else is in the call
@@ -176,18 +185,14 @@ def test_every_isa_build_gives_the_avx2_builds_bits(name) -> None:
     cols = 512 if kind in (T.Q4_K, T.Q6_K) else 32 * 11  # Q5_0/Q8_0: a group of 8 blocks, then 3
     layer = kquant.GGUFLinear([quant_tensor("w", kind, 200, cols, seed=7)[0]], torch.randn(200))
     x = torch.randn(28, cols) * 2
-    best, tile_from = native.isa(), native.tile_from()
     outputs = {}
-    try:
+    with restored_kernel_settings(native):
         for isa in isas:
             native.set_isa(isa)
             native.set_tile_from(8)  # tiles from 8 rows: 9 (of 8 rows), 16, 21 and 28 (of 16 in 512-bit vectors;
             outputs[isa] = [layer(x[:m]) for m in (1, 2, 3, 4, 9, 16, 21, 28)]  # 28: a partial one)
             native.set_tile_from(0)  # row by row: passes of up to 4 or 8 rows, and the rest
             outputs[isa] += [layer(x[:m]) for m in (5, 6, 7, 8, 13, 21)]
-    finally:
-        native.set_isa(best)
-        native.set_tile_from(tile_from)
     for isa in isas[1:]:
         for a, b in zip(outputs["avx2"], outputs[isa], strict=True):
             assert torch.equal(a, b), isa
@@ -214,16 +219,12 @@ def test_amx_tiles_give_the_vector_tiles_bits(kind) -> None:
                                quant_tensor("v", kind, 24, 256 * 9, seed=6)[0]], torch.randn(64))
     x = torch.randn(56, 256 * 9) * 3
     sizes = (1, 16, 24, 33, 40, 56)
-    best, tile_from = native.isa(), native.tile_from()
     outputs = {}
-    try:
+    with restored_kernel_settings(native):
         for isa in ("avx512vnni-zmm", "avx512vnni-amx"):
             native.set_isa(isa)
             native.set_tile_from(1)
             outputs[isa] = [layer(x[:m]) for m in sizes]
-    finally:
-        native.set_isa(best)
-        native.set_tile_from(tile_from)
     for m, a, b in zip(sizes, outputs["avx512vnni-zmm"], outputs["avx512vnni-amx"], strict=True):
         assert torch.equal(a, b), m
     assert torch.equal(outputs["avx512vnni-amx"][-1][:24], outputs["avx512vnni-amx"][2])

@@ -11,12 +11,17 @@ from thinkahead.verifiers.grading.latex import normalize_math
 VOTE_MODES = ("majority", "first")
 
 
+def _votes(answers: list) -> tuple[list[str], list[str]]:
+    """The answers that vote (non-empty text) and their math-normalized keys."""
+    votes = [a for a in answers if isinstance(a, str) and a.strip()]
+    return votes, [normalize_math(a) for a in votes]
+
+
 def majority(answers: list) -> str | None:
     """The most common answer (math-normalized); ties go to the answer seen first."""
-    votes = [a for a in answers if isinstance(a, str) and a.strip()]
+    votes, keys = _votes(answers)
     if not votes:
         return None
-    keys = [normalize_math(a) for a in votes]
     counts = Counter(keys)
     best = max(counts.values())
     return next(a for a, k in zip(votes, keys) if counts[k] == best)
@@ -25,8 +30,7 @@ def majority(answers: list) -> str | None:
 def majority_decided(answers: list, remaining: int) -> bool:
     """Whether `remaining` more answers cannot change what `majority` picks: its leader has more votes than
     any other answer would have with all of them (strictly more: a tie goes to the answer seen first)."""
-    keys = [normalize_math(a) for a in answers if isinstance(a, str) and a.strip()]
-    counts = [c for _, c in Counter(keys).most_common(2)] + [0, 0]
+    counts = [c for _, c in Counter(_votes(answers)[1]).most_common(2)] + [0, 0]
     return counts[0] > 0 and counts[0] > counts[1] + remaining
 
 
