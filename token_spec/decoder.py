@@ -74,6 +74,7 @@ class _Generation:
     output: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)  # of each output token, from the verify rows (if kept)
     keep_logprobs: bool = False  # whether to compute them (a pass over the vocabulary per kept token)
+    rows: Any = None  # the last forward's normed hidden states, for a drafter that reads them (a draft head)
     finish: str = "length"
     matched: str | int | None = None
     draft_s: float = 0.0
@@ -253,10 +254,12 @@ class SpeculativeDecoder:
         else:
             gen.session = self.engine.new_session()
         if len(prompt) - 1 > stats.cached_tokens:  # a scheduler may run it in pieces (models/engine/scheduler.py)
-            yield ForwardCall(gen.session, prompt[stats.cached_tokens : -1], last_only=True)
+            yield ForwardCall(gen.session, prompt[stats.cached_tokens : -1], last_only=True,
+                              on_hidden=self._keep_rows(gen))
         gen.prefill_s = time.perf_counter() - gen.started
         if self.drafter is not None:
             self.drafter.start(gen.rid, prompt, gen.sampling, session_id=session_id)
+            self._tell_hidden(gen, -1)
 
     def _draft(self, gen: _Generation) -> Rounds[tuple[Draft, Draft | None, int]]:
         """This round's draft within the controller's budget, a free probe draft when the budget is zero,
@@ -307,7 +310,7 @@ class SpeculativeDecoder:
         parents = [-1] + [p + 1 for p in draft.parents] if tree else None
         start = gen.session.length
         t0 = time.perf_counter()
-        logits = yield ForwardCall(gen.session, tokens, parents)
+        logits = yield ForwardCall(gen.session, tokens, parents, on_hidden=self._keep_rows(gen))
         if gen.constraint is not None and gen.sampling.greedy:
             acceptance = verify_greedy_constrained(logits, draft, gen.constraint)
         elif gen.constraint is not None:
@@ -393,6 +396,27 @@ class SpeculativeDecoder:
             gen.constraint.advance(rnd.tokens)
         if self.drafter is not None:
             self.drafter.observe(gen.rid, rnd.tokens, rnd.draft)
+            if not gen.done:  # the row that chose the bonus token: the one after the accepted path's last node
+                self._tell_hidden(gen, 1 + rnd.acceptance.accepted[-1] if rnd.acceptance.accepted else 0)
+
+    def _keep_rows(self, gen: _Generation) -> Callable[[torch.Tensor], None] | None:
+        """Where the drafter reads the target's hidden states (`wants_hidden`): a callback that keeps a forward's."""
+        if not getattr(self.drafter, "wants_hidden", False):
+            return None
+
+        def keep(rows: torch.Tensor) -> None:
+            gen.rows = rows
+
+        gen.rows = None
+        return keep
+
+    def _tell_hidden(self, gen: _Generation, row: int) -> None:
+        """Give the drafter the hidden state of the last forward's `row` (the one whose logits chose the last token
+        of the context), if the engine gave them."""
+        if gen.rows is None or not getattr(self.drafter, "wants_hidden", False):
+            return
+        self.drafter.observe_hidden(gen.rid, gen.rows[row].clone(), len(gen.context))
+        gen.rows = None
 
     def _release(self, gen: _Generation) -> None:
         """Close the drafter's request and give the session back to the prefix pool, its KV cropped

@@ -22,7 +22,9 @@ class ForwardCall:
     """Append `token_ids` to `session` (a chain, or a tree by `parents` as `TargetEngine.forward` takes it)
     and return their logits; `last_only` asks for the last row only (a prefill). `engine`: the engine that holds
     `session` where it is not the generation's own (a draft model's forward); `head`: an output layer in place of
-    the engine's (a draft model's over part of the vocabulary)."""
+    the engine's (a draft model's over part of the vocabulary); `on_hidden`: given the returned rows' normed last
+    hidden states `[rows, hidden]` before they are sent back, where the engine has them (a draft head reads them:
+    draft_head.py). An engine without them never calls it."""
 
     session: Any
     token_ids: list[int]
@@ -30,6 +32,7 @@ class ForwardCall:
     last_only: bool = False
     engine: Any = None
     head: Callable[[torch.Tensor], torch.Tensor] | None = None
+    on_hidden: Callable[[torch.Tensor], None] | None = None
 
 
 @runtime_checkable
@@ -83,8 +86,9 @@ Rounds = Generator[ForwardCall, torch.Tensor, T]
 def forward_one(engine: TargetEngine, call: ForwardCall) -> torch.Tensor:
     """`call` run alone, on its own engine if it names one, else on `engine`."""
     target = call.engine if call.engine is not None else engine
-    if call.head is not None:
-        return target.forward(call.session, call.token_ids, call.parents, last_only=call.last_only, head=call.head)
+    if call.head is not None or call.on_hidden is not None:  # only engines that take them are given them
+        extra = {k: v for k, v in (("head", call.head), ("on_hidden", call.on_hidden)) if v is not None}
+        return target.forward(call.session, call.token_ids, call.parents, last_only=call.last_only, **extra)
     return target.forward(call.session, call.token_ids, call.parents, last_only=call.last_only)
 
 

@@ -29,7 +29,8 @@ MAX_BATCH_ROWS = 512
 MODEL_FREE_KINDS = ("suffix", "suffix-tree", "prompt-lookup", "prompt-lookup-recent", "combined")
 MODEL_DRAFT_KINDS = ("draft-model", "hybrid")  # these need a second (draft) model
 MODEL_DRAFT_SOURCE = "draft-model"  # the `source` of a draft the small model wrote (token stats count them apart)
-DRAFTER_KINDS = (*MODEL_FREE_KINDS, *MODEL_DRAFT_KINDS, "none")
+HEAD_KIND = "head"  # the target's own trained draft head (token_spec/head_drafter.py), where one is packaged for it
+DRAFTER_KINDS = (*MODEL_FREE_KINDS, *MODEL_DRAFT_KINDS, HEAD_KIND, "none")
 
 
 AUTO_DRAFTER = "auto"  # the default: SOLO_DRAFTER, the best measured where runs are in flight (below)

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from thinkahead.token_spec.names import DRAFTER_KINDS, MAX_DRAFT, MODEL_DRAFT_KINDS, MODEL_FREE_KINDS, check_drafter
+from thinkahead.token_spec.names import (
+    DRAFTER_KINDS, HEAD_KIND, MAX_DRAFT, MODEL_DRAFT_KINDS, MODEL_FREE_KINDS, check_drafter,
+)
 from thinkahead.token_spec.drafters import (
     CombinedDrafter,
     DraftModelDrafter,
@@ -20,6 +22,7 @@ from thinkahead.token_spec.suffix_cache import SuffixCache
 
 if TYPE_CHECKING:  # the decoder, its controllers and KV pool only where one is built: `simulate` needs none
     from thinkahead.token_spec.decoder import SpeculativeDecoder
+    from thinkahead.token_spec.draft_head import DraftHead
     from thinkahead.token_spec.prefix_pool import KVPrefixPool
 
 __all__ = ["DRAFTER_KINDS", "MODEL_FREE_KINDS", "build_decoder", "model_free_drafter"]
@@ -66,12 +69,13 @@ def build_decoder(
     cache: SuffixCache | None = None,
     max_draft: int = MAX_DRAFT,
     prefix_pool: KVPrefixPool | None = None,
+    draft_head: DraftHead | None = None,
 ) -> SpeculativeDecoder:
     """A `SpeculativeDecoder` for drafter `kind` over `engine` (the target model).
 
     `draft_engine` is the small model's engine, needed by "draft-model" and "hybrid";
     `cache` is the shared suffix cache (a fresh one if None); `prefix_pool` lets prompts that
-    extend an earlier one reuse its KV.
+    extend an earlier one reuse its KV; `draft_head` is the target's trained head, needed by "head".
     """
     from thinkahead.token_spec.controller import AdaptiveController, FixedController, MatchLengthController
     from thinkahead.token_spec.decoder import SpeculativeDecoder
@@ -79,6 +83,8 @@ def build_decoder(
     check_drafter(kind)
     if kind in MODEL_DRAFT_KINDS and draft_engine is None:
         raise ValueError(f"drafter {kind!r} needs a draft model engine")
+    if kind == HEAD_KIND and draft_head is None:
+        raise ValueError(f"drafter {kind!r} needs a draft head trained for the model")
     cache = cache if cache is not None else SuffixCache()
     if kind in MODEL_FREE_KINDS:
         drafter = model_free_drafter(kind, cache)
@@ -86,6 +92,13 @@ def build_decoder(
     elif kind == "draft-model":
         drafter = small_model_drafter(draft_engine)
         controller = FixedController(min(max_draft, MODEL_DRAFT_TOKENS))
+    elif kind == HEAD_KIND:
+        from thinkahead.token_spec.head_drafter import HeadDrafter
+
+        model = engine.model
+        drafter = HeadDrafter(draft_head, model.get_input_embeddings(), model.get_output_embeddings(),
+                              engine.vocab_size, CombinedDrafter(cache))
+        controller = AdaptiveController(max_draft)
     elif kind == "hybrid":
         drafter = HybridDrafter(CombinedDrafter(cache), small_model_drafter(draft_engine), min_score=HYBRID_MIN_SCORE,
                                 model_max_tokens=MODEL_DRAFT_TOKENS)

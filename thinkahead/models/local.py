@@ -25,10 +25,11 @@ from thinkahead.models.streaming import TextPiece, TextStream
 from thinkahead.models.templates import repair_chat_template
 from thinkahead.models.engine.config import KV_LIVE_SHARE, KV_MEMORY_SHARE, EngineConfig, scheduler_conflicts
 from thinkahead.models.engine.scheduler import BatchScheduler, Lane
+from thinkahead.token_spec.draft_head import find_head
 from thinkahead.token_spec.engine import ForwardCall, Rounds
 from thinkahead.token_spec.grammar import GRAMMAR_KINDS, GrammarSpec, TokenGrammar
 from thinkahead.token_spec.names import (
-    MODEL_DRAFT_KINDS, SOLO_DRAFTER, common_prefix_len, resolve_drafter,
+    HEAD_KIND, MODEL_DRAFT_KINDS, SOLO_DRAFTER, common_prefix_len, resolve_drafter,
 )
 from thinkahead.token_spec.recording import TokenRecorder
 
@@ -47,13 +48,16 @@ class LocalModel(LanguageModel):
             (`LocalModel(spec, dtype="gguf", drafter="suffix")`). An unknown or bad one is a ValueError naming it.
             dtype: "bfloat16", "float32", "int8" (batch-invariant int8 linears over the dequantized weights) or
             "gguf" (the GGUF file's own blocks, fastest on CPUs; GGUF models only); see models/engine/dtypes.py.
-            drafter: "auto" (the default) is "combined"; "hybrid" and "draft-model" need `draft`.
+            drafter: "auto" (the default) is "combined"; "hybrid" and "draft-model" need `draft`; "head" a draft
+            head (`head`, or the one packaged for `spec`).
             kv_live_tokens: the KV tokens live generations may reserve in all (each its prompt and
             `max_new_tokens`); more wait for room.
         draft: a smaller `LocalModel` with the same tokenizer that drafts tokens for this one (`hybrid`,
             `draft-model`). The two share one scheduler thread (and the small model's weights: nothing is
             loaded twice), so its batching settings must be the draft model's; the small model's own
             requests run as before.
+        head: a draft head trained for this model (`DraftHead` or its file, token_spec/draft_head.py) for the
+            "head" drafter, where none is packaged for `spec`.
     """
 
     def __init__(
@@ -65,6 +69,7 @@ class LocalModel(LanguageModel):
         tokenizer: Any = None,
         draft: LocalModel | None = None,
         cache: Any = None,
+        head: Any = None,
         name: str | None = None,
         record: str | os.PathLike[str] | None = None,
         **settings: Any,
@@ -113,7 +118,10 @@ class LocalModel(LanguageModel):
         common = dict(tokenizer=tokenizer, cache=self.suffix_cache, max_draft=config.max_draft,
                       prefix_pool=self.prefix_pool)
         draft_engine = self.draft.engine if self.draft is not None else None
-        self._speculative = build_decoder(drafter, self.engine, draft_engine=draft_engine, **common)
+        self._speculative = build_decoder(drafter, self.engine, draft_engine=draft_engine,
+                                          draft_head=find_head(head, spec, model.config.hidden_size, self.name)
+                                          if drafter == HEAD_KIND else None,
+                                          **common)
         self._plain = build_decoder("none", self.engine, **common)
         self.stop_token_ids = self._stop_token_ids()
         self.grammars = TokenGrammar(tokenizer, _vocab_size(model, tokenizer), self.stop_token_ids)

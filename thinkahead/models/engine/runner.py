@@ -96,6 +96,7 @@ class HFEngine:
         parents: list[int] | None = None,
         last_only: bool = False,
         head: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        on_hidden: Callable[[torch.Tensor], None] | None = None,
     ) -> torch.Tensor:
         """Append `token_ids` to the session and return their float32 logits `[len(token_ids), vocab]`.
 
@@ -107,7 +108,8 @@ class HFEngine:
         `last_only=True` returns only the last row `[1, vocab]`: a prefill then skips the vocabulary
         projection of every other position (for a 150k vocabulary that is most of a long prompt's cost).
         `head` replaces the model's output layer: it maps the last layer's hidden states `[n, hidden]` to
-        the logits returned (a drafter's output layer over part of the vocabulary).
+        the logits returned (a drafter's output layer over part of the vocabulary). `on_hidden` is given those
+        hidden states of the rows returned (a draft head reads them), before the output layer reads them.
         """
         self._check_tokens(token_ids)
         start = session.length
@@ -125,7 +127,7 @@ class HFEngine:
             position_ids = (start + depth).unsqueeze(0).to(self.device)
             mask = self._tree_mask(session, start, chain, depth)
         with torch.inference_mode():
-            if head is None:
+            if head is None and on_hidden is None:
                 logits = self.model(
                     input_ids=ids,
                     attention_mask=mask,
@@ -136,7 +138,10 @@ class HFEngine:
                 ).logits[0]
             else:
                 hidden = self._final_hidden(ids, mask, position_ids, session.cache)[0]
-                logits = head(hidden[-1:] if last_only else hidden)
+                hidden = hidden[-1:] if last_only else hidden
+                if on_hidden is not None:
+                    on_hidden(hidden)
+                logits = (self.model.lm_head if head is None else head)(hidden)
         session.length = start + n
         session.last_start, session.last_parents = start, chain
         self.forwarded_tokens += n
@@ -156,7 +161,7 @@ class HFEngine:
         if len({id(c.session) for c in calls}) != len(calls):
             raise ValueError("a batch may hold each session in one call only")
         if len(calls) < 2 or not self.batches_rows:
-            return [self.forward(c.session, c.token_ids, c.parents, c.last_only, c.head) for c in calls]
+            return [self.forward(c.session, c.token_ids, c.parents, c.last_only, c.head, c.on_hidden) for c in calls]
         ids: list[int] = []
         positions, segments, chains = [], [], []
         for c in calls:  # everything checked before any cache changes
@@ -184,6 +189,9 @@ class HFEngine:
                 rows.extend([first + n - 1] if c.last_only else range(first, first + n))
                 first += n
             kept = hidden[torch.tensor(rows)]
+            for c, (at, count) in zip(calls, picks):
+                if c.on_hidden is not None:
+                    c.on_hidden(kept[at:at + count])
             if all(c.head is None for c in calls):
                 logits = self.model.lm_head(kept).float()
                 outs = [logits[at:at + count] for at, count in picks]
