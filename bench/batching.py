@@ -3,7 +3,7 @@
 N concurrent greedy chat completions of N distinct GSM8K test problems (chain of thought, `--tokens` each), sent
 to one `LocalModel` (the GGUF kernels, its `BatchScheduler`) with asyncio, for N in `--streams`; the baseline is
 the same problems one at a time (N = 1) in the same process. Per arm (`--arms`: "plain" decodes one token per
-forward, "suffix" is the model's suffix drafter), the suffix cache and the KV prefix pool are cleared before
+forward; any other is a drafter's name, e.g. "suffix", "combined", "head": a `LocalModel` with it), the suffix cache and the KV prefix pool are cleared before
 every N, so no run drafts from another's outputs. Reported per N: aggregate tok/s (all completion tokens over
 the wall time), the ratio to the arm's own one-at-a-time rate, the slowest reply, the largest time to first
 token, the largest batch the scheduler ran, and whether every reply's tokens equal the one-at-a-time reply's.
@@ -48,6 +48,7 @@ from thinkahead.evals.data import gsm8k
 from thinkahead.models import LocalModel
 from thinkahead.models.base import Completion, GenerationRequest
 from thinkahead.models.registry import prepare
+from thinkahead.token_spec.names import DRAFTER_KINDS
 
 RESULTS = Path(__file__).resolve().parent / "results"
 OFFSET = 300  # GSM8K test problems 300.. (no policy was tuned on them)
@@ -176,16 +177,19 @@ def main() -> None:
     streams = sorted({int(s) for s in args.streams.split(",")} | {1})
     questions = [r["question"] for r in gsm8k("test")[OFFSET:OFFSET + max(streams)]]
     load_before = os.getloadavg()
-    model = LocalModel(args.model, dtype="gguf", drafter="suffix")
-    # warm the kernels and the template; two drafting at once: the scheduler measures its forward cost by rows (once)
-    asyncio.run(together(model, [request("What is 2 + 3?", 4, True), request("What is 4 + 5?", 4, True)]))
+    arms = args.arms.split(",")
+    unknown = [a for a in arms if a != "plain" and a not in DRAFTER_KINDS]
+    if unknown:
+        parser.error(f"unknown arm(s) {', '.join(unknown)}: plain or a drafter ({', '.join(DRAFTER_KINDS)})")
+    models = {arm: LocalModel(args.model, dtype="gguf", drafter="none" if arm == "plain" else arm) for arm in arms}
+    for model in models.values():
+        # warm the kernels and the template; two drafting at once: the scheduler measures its forward cost by rows
+        asyncio.run(together(model, [request("What is 2 + 3?", 4, True), request("What is 4 + 5?", 4, True)]))
     result: dict[str, Any] = {"model": args.model, "tokens": args.tokens, "cpu": cpu_flags(),
                               "threads": __import__("torch").get_num_threads(),
                               "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "arms": {}}
-    for arm in args.arms.split(","):
-        if arm not in ("plain", "suffix"):
-            parser.error(f"unknown arm {arm!r}: plain or suffix")
-        result["arms"][arm] = run_arm(model, questions, streams, args.tokens, speculative=arm == "suffix")
+    for arm, model in models.items():
+        result["arms"][arm] = run_arm(model, questions, streams, args.tokens, speculative=arm != "plain")
     if args.llama_server:
         result["llama_server"] = {name: llama_arm(args.llama_server, args.model, extra, questions,
                                                   [s for s in streams if s <= 8], args.tokens)

@@ -1,18 +1,19 @@
 """Train a draft head (thinkahead/token_spec/draft_head.py) for a packaged model from its own outputs.
 
 1. Outputs: the model's own greedy answers to GSM8K train problems (`--generate N`, appended to `--texts`, one
-   JSON line {question, output} each; resumable), and/or the `answer_reasoning` of a runs store of the model
-   (`--runs`, e.g. bench/results/step_frontier/runs-large.jsonl).
+   JSON line {question, output} each; resumable). Held out: the `answer_reasoning` of a runs store of the model on
+   other problems (`--eval-runs`, e.g. bench/results/step_frontier/runs-large.jsonl: GSM8K test problems, which
+   the benchmarks use, so the head never trains on them), else the last `--holdout` share of the texts.
 2. Hidden states: one forward of the model over each prompt + output (the engine's own normed last hidden
    states, what its output layer reads).
 3. Training: at every output position t, from the hidden state h_t (which chose token t+1) and token t+1's
    embedding the head's feature must give token t+2 through the model's output rows over its first `--vocab`
    ids; fed its own feature and token t+2 it must give token t+3 (so a chain of guesses works), and its first
-   feature is pulled towards h_{t+1} (EAGLE's feature loss). The last `--holdout` share of the texts is held out:
-   the script reports how often the head's chain is right there, by depth and by its own confidence.
+   feature is pulled towards h_{t+1} (EAGLE's feature loss). The script reports how often the head's chain is
+   right on the held-out texts, by depth and by its own confidence (also written next to `--out`, as .json).
 
   python bench/draft_head_train.py --generate 400 --texts /tmp/gsm8k_train_outputs.jsonl \\
-      --runs bench/results/step_frontier/runs-large.jsonl --out token_spec/heads/qwen2.5-coder-1.5b.safetensors
+      --eval-runs bench/results/step_frontier/runs-large.jsonl --out token_spec/heads/qwen2.5-coder-1.5b.safetensors
 """
 
 from __future__ import annotations
@@ -56,10 +57,12 @@ def generate(model: LocalModel, path: Path, count: int, streams: int = 16, token
     asyncio.run(run())
 
 
-def read_texts(texts: list[Path], runs: list[Path]) -> list[tuple[str, str]]:
+def read_texts(texts: list[Path]) -> list[tuple[str, str]]:
+    return [(r["question"], r["output"]) for path in texts for r in map(json.loads, path.open())]
+
+
+def read_runs(runs: list[Path]) -> list[tuple[str, str]]:
     pairs = []
-    for path in texts:
-        pairs += [(r["question"], r["output"]) for r in map(json.loads, path.open())]
     for path in runs:
         for record in map(json.loads, path.open()):
             outputs = record.get("outputs") or {}
@@ -167,7 +170,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen2.5-coder-1.5b")
     parser.add_argument("--texts", type=Path, action="append", default=[], help="JSONL of {question, output}")
-    parser.add_argument("--runs", type=Path, action="append", default=[], help="a runs store of the model")
+    parser.add_argument("--eval-runs", type=Path, action="append", default=[],
+                        help="a runs store of the model on other problems: held out")
     parser.add_argument("--generate", type=int, default=0, help="answer GSM8K train problems 0..N-1 into --texts")
     parser.add_argument("--width", type=int, default=HEAD_WIDTH)
     parser.add_argument("--vocab", type=int, default=HEAD_VOCAB)
@@ -183,17 +187,19 @@ def main() -> None:
         if not args.texts:
             parser.error("--generate needs --texts FILE to write the outputs to")
         generate(model, args.texts[0], args.generate)
-    pairs = read_texts(args.texts, args.runs)
-    held = max(1, int(len(pairs) * args.holdout))
-    logging.info("%d texts (%d held out); reading hidden states", len(pairs), held)
-    records = hidden_states(model, pairs)
+    pairs, held_out = read_texts(args.texts), read_runs(args.eval_runs)
+    if not held_out:
+        cut = len(pairs) - max(1, int(len(pairs) * args.holdout))
+        pairs, held_out = pairs[:cut], pairs[cut:]
+    logging.info("%d texts to train on, %d held out; reading hidden states", len(pairs), len(held_out))
     embed = model.engine.model.get_input_embeddings()
-    train_data, test_data = examples(records[:-held], embed), examples(records[-held:], embed)
+    train_data = examples(hidden_states(model, pairs), embed)
+    test_data = examples(hidden_states(model, held_out), embed)
     w = output_rows(model, args.vocab).to(torch.bfloat16)
     head = DraftHead(model.engine.model.config.hidden_size, args.width, args.vocab, model=args.model)
     logging.info("training on %d positions", len(train_data["tokens"]))
     train(head, w, train_data, args.epochs, args.lr)
-    report = {"texts": len(pairs), "held_out_texts": held, "train_positions": len(train_data["tokens"]),
+    report = {"texts": len(pairs), "held_out_texts": len(held_out), "train_positions": len(train_data["tokens"]),
               "width": args.width, "vocab": args.vocab, "epochs": args.epochs,
               "held_out": evaluate(head.eval(), w, test_data, embed)}
     print(json.dumps(report, indent=1))

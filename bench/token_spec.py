@@ -9,6 +9,7 @@ Methods (all greedy, same prompts, same stop tokens, same max_new_tokens):
   draft-model          ours: the small model drafts up to 8 tokens a round, while it is sure
   hybrid               ours: per round the combined draft, the small model's or a plain step, whichever promises more
   combined             ours: recent context copies + local and global suffix trees in one tree draft
+  head                 ours: the target's packaged draft head over its own hidden states, beside combined
   ours-plain           ours without speculation (one token per forward; its output is the reference
                        our speculative methods must equal)
   llama-plain          llama.cpp (llama-cpp-python) greedy on the same GGUF file, its own KV reuse
@@ -56,11 +57,12 @@ from thinkahead.models.engine.runner import HFEngine  # noqa: E402
 from thinkahead.token_spec.decoder import SpeculativeDecoder  # noqa: E402
 from thinkahead.token_spec.names import MAX_DRAFT  # noqa: E402
 from thinkahead.token_spec.prefix_pool import KVPrefixPool  # noqa: E402
+from thinkahead.token_spec.draft_head import find_head  # noqa: E402
 from thinkahead.token_spec.presets import build_decoder  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ALL_METHODS = ["hf-greedy", "hf-prompt-lookup", "hf-assisted", "ours-plain", "suffix", "prompt-lookup", "combined",
-               "draft-model", "hybrid", *LLAMA_METHODS]
+               "draft-model", "hybrid", "head", *LLAMA_METHODS]
 ALL_WORKLOADS = ["cot", "refine", "pipeline", "code"]
 
 COT_INSTRUCTION = "Solve the problem step by step, then give the final answer as 'Answer: <number>'."
@@ -128,8 +130,10 @@ class Runner:
         prefix_reuse: bool = True,
         attention: str = "sdpa",
         max_draft: int = MAX_DRAFT,
+        spec: str = "",
     ) -> None:
         self.name = name
+        self.spec = spec  # the target's model spec: its packaged draft head ("head")
         self.target = target
         self.tokenizer = tokenizer
         self.stop_ids = stop_ids or []
@@ -147,6 +151,7 @@ class Runner:
                 draft_engine=HFEngine(draft) if kind in ("draft-model", "hybrid") else None,
                 max_draft=PROMPT_LOOKUP_TOKENS if kind == "prompt-lookup" else max_draft,  # as transformers' prompt lookup
                 prefix_pool=KVPrefixPool(engine) if prefix_reuse else None,
+                draft_head=find_head(None, self.spec, target.config.hidden_size, self.spec) if kind == "head" else None,
             )
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, session_id: str | None = None) -> tuple[list[int], dict]:
@@ -416,7 +421,7 @@ def main() -> None:
 
     runners = {m: LlamaRunner(m, args.target, tokenizer, stop_ids, threads=torch.get_num_threads()) if m in LLAMA_METHODS
                else Runner(m, target, tokenizer, draft, stop_ids, prefix_reuse=not args.no_prefix_reuse, max_draft=args.max_draft,
-                           attention=loaded_attention) for m in methods}
+                           attention=loaded_attention, spec=args.target) for m in methods}
     # Conversation by conversation, every method in turn: a machine that slows down over a long run slows
     # every method alike (method by method, the first ones ran minutes before the last).
     for wname, convs in workloads.items():

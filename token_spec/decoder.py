@@ -25,7 +25,7 @@ from thinkahead.token_spec.draft import Draft
 from thinkahead.token_spec.drafters import Drafter
 from thinkahead.token_spec.engine import DraftShare, ForwardCall, Rounds, run_inline
 from thinkahead.token_spec.grammar import Constraint
-from thinkahead.token_spec.names import ACCEPT_PRIOR, MODEL_DRAFT_SOURCE, common_prefix_len
+from thinkahead.token_spec.names import ACCEPT_PRIOR, HEAD_SOURCE, MODEL_DRAFT_SOURCE, common_prefix_len
 from thinkahead.token_spec.prefix_pool import KVPrefixPool
 from thinkahead.token_spec.stats import SpecStats
 from thinkahead.token_spec.verify import Acceptance, SamplingParams, verify_greedy, verify_sampling
@@ -355,6 +355,9 @@ class SpeculativeDecoder:
         if rnd.draft.source == MODEL_DRAFT_SOURCE:
             stats.model_drafts += len(rnd.draft)
             stats.model_correct_drafts += accepted
+        elif rnd.draft.source == HEAD_SOURCE:
+            stats.head_drafts += len(rnd.draft)
+            stats.head_correct_drafts += accepted
         stats.grammar_forced_drafts += rnd.forced
         if gen.share is not None and len(rnd.draft) and not gen.share.alone:  # the plan sized it: say how it went
             a = min(gen.accept_rate, 0.999)

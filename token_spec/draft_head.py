@@ -22,18 +22,12 @@ from typing import Any
 
 import torch
 
+from thinkahead.token_spec.names import packaged_head, packaged_heads
+
 HEAD_FORMAT = "thinkahead-draft-head"
 HEAD_VERSION = 1
 HEAD_WIDTH = 512  # the head's inner width (bench/draft_head_train.py's default)
 HEAD_VOCAB = 32768  # the ids its feature is trained to pick among: byte-level BPE's frequent ones (draft_vocab.py)
-HEADS_DIR = Path(__file__).resolve().parent / "heads"  # the packaged heads: <model spec>.safetensors
-
-
-def packaged_head(spec: str) -> Path | None:
-    """The packaged draft head trained for model `spec` (a packaged model's name), if there is one."""
-    path = HEADS_DIR / f"{spec}.safetensors"
-    return path if "/" not in spec and path.is_file() else None
-
 
 def find_head(head: DraftHead | str | os.PathLike[str] | None, spec: str | None, hidden_size: int,
               owner: str) -> DraftHead:
@@ -43,10 +37,10 @@ def find_head(head: DraftHead | str | os.PathLike[str] | None, spec: str | None,
         if head.hidden_size != hidden_size:
             raise ValueError(f"draft head for hidden size {head.hidden_size}: {owner}'s is {hidden_size}")
         return head
-    path = head if head is not None else packaged_head(spec) if spec is not None else None
+    path = head if head is not None else packaged_head(spec)
     if path is None:
-        have = ", ".join(sorted(p.stem for p in HEADS_DIR.glob("*.safetensors"))) or "none"
-        raise ValueError(f"drafter 'head' needs a draft head trained for {owner}; packaged heads: {have}")
+        raise ValueError(f"drafter 'head' needs a draft head trained for {owner}; packaged for: "
+                         f"{', '.join(packaged_heads()) or 'none'}")
     return DraftHead.load(path, hidden_size=hidden_size)
 
 

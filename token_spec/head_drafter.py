@@ -3,10 +3,12 @@
 After every verify forward the decoder hands the drafter the hidden state of the row that chose the last token
 it kept (`observe_hidden`, where the engine gives hidden states: `ForwardCall.on_hidden`). The next draft is then:
 
-- the inner (model-free) drafter's, where it copies a long match (`long_match` tokens or more: copied text, which
-  it drafts far deeper than the head) or where its first token is the head's own guess (it goes on from there);
-- else the head's chain: its guess after the bonus token, then its guesses after its own guesses while each is at
-  least `min_prob` likely (the first is always kept: the head is right about two times in three there).
+- the inner (model-free) drafter's alone, where it copies a long match (`long_match` tokens or more: copied text,
+  which it drafts far deeper than the head) or where its first token is the head's own guess (it goes on from
+  there);
+- else a tree: the head's chain (its guess after the bonus token, then its guesses after its own guesses while
+  each is at least `min_prob` likely; the first is always kept: the head is right about two times in three there)
+  and, beside it within the budget, the inner draft (on a CPU a few more rows cost little beside a forward).
 
 Without a hidden state for this context (the first round after a prompt read from the prefix pool, tokens a grammar
 forced, an engine without hidden states) the inner drafter drafts alone. Drafts never change what is generated:
@@ -24,9 +26,9 @@ import torch
 from thinkahead.token_spec.draft import Draft
 from thinkahead.token_spec.draft_head import DraftHead
 from thinkahead.token_spec.draft_vocab import DraftVocab, RequestVocab
+from thinkahead.token_spec.names import HEAD_SOURCE
 from thinkahead.token_spec.verify import SamplingParams
 
-HEAD_SOURCE = "draft-head"  # the `source` of a draft the head wrote
 HEAD_DEPTH = 4  # head tokens per draft at most
 HEAD_MIN_PROB = 0.5  # a head token after the first is drafted only this likely (its own estimate)
 HEAD_LONG_MATCH = 8  # an inner draft from a context match this long or longer is taken over the head's
@@ -37,6 +39,16 @@ class _Request:
     vocab: RequestVocab
     hidden: torch.Tensor | None = None
     at: int = -1  # the context length the hidden state belongs to
+
+
+def beside(first: Draft, second: Draft) -> Draft:
+    """One tree of two drafts from the same context: `first`'s nodes, then `second`'s (its roots are roots too)."""
+    if not len(second):
+        return first
+    shift = len(first)
+    return Draft(token_ids=first.token_ids + second.token_ids,
+                 parents=first.parents + [p if p < 0 else p + shift for p in second.parents],
+                 probs=first.probs + second.probs, score=first.score + second.score, source=first.source)
 
 
 class HeadDrafter:
@@ -79,7 +91,7 @@ class HeadDrafter:
         guess = self._chain(request, int(context[-1]), min(budget, self.depth))
         if len(inner) and inner.token_ids[0] == guess.token_ids[0]:
             return inner
-        return guess
+        return beside(guess, inner.truncated(budget - len(guess)))
 
     def _chain(self, request: _Request, token: int, n: int) -> Draft:
         tokens: list[int] = []

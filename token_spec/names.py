@@ -7,6 +7,7 @@ without loading torch) and token-sequence helpers that HTTP clients share with t
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 ACCEPT_PRIOR = 0.5  # a generation's draft acceptance estimate before its first round (nothing else known)
 MAX_DRAFT = 64  # draft tokens per verify round at most: the default of the config, LocalModel, build_decoder, simulate
@@ -29,7 +30,9 @@ MAX_BATCH_ROWS = 512
 MODEL_FREE_KINDS = ("suffix", "suffix-tree", "prompt-lookup", "prompt-lookup-recent", "combined")
 MODEL_DRAFT_KINDS = ("draft-model", "hybrid")  # these need a second (draft) model
 MODEL_DRAFT_SOURCE = "draft-model"  # the `source` of a draft the small model wrote (token stats count them apart)
+HEAD_SOURCE = "draft-head"  # the `source` of a draft the target's draft head wrote (alone or beside another's)
 HEAD_KIND = "head"  # the target's own trained draft head (token_spec/head_drafter.py), where one is packaged for it
+HEADS_DIR = Path(__file__).resolve().parent / "heads"  # the packaged draft heads: <model spec>.safetensors
 DRAFTER_KINDS = (*MODEL_FREE_KINDS, *MODEL_DRAFT_KINDS, HEAD_KIND, "none")
 
 
@@ -44,15 +47,29 @@ SOLO_DRAFTER = "combined"
 DRAFTER_CHOICES = (AUTO_DRAFTER, *DRAFTER_KINDS)  # what a config or `--drafter` may name
 
 
-def resolve_drafter(kind: str, has_draft_model: bool) -> str:
-    """The drafter `kind` names for a model with (or without) a draft model beside it: `auto` is `SOLO_DRAFTER`;
-    a kind that needs a draft model and has none is a ValueError."""
+def resolve_drafter(kind: str, has_draft_model: bool, has_head: bool = False) -> str:
+    """The drafter `kind` names for a model with (or without) a draft model beside it and a draft head for it:
+    `auto` is `SOLO_DRAFTER`; a kind that needs a draft model or a head and has none is a ValueError."""
     check_drafter(kind, DRAFTER_CHOICES)
     if kind == AUTO_DRAFTER:
         return SOLO_DRAFTER
     if kind in MODEL_DRAFT_KINDS and not has_draft_model:
         raise ValueError(f"drafter {kind!r} needs a draft model: a small local model with the same tokenizer")
+    if kind == HEAD_KIND and not has_head:
+        raise ValueError(f"drafter {kind!r} needs a draft head trained for the model; packaged for: "
+                         f"{', '.join(packaged_heads()) or 'none'}")
     return kind
+
+
+def packaged_head(spec: str | None) -> Path | None:
+    """The draft head packaged for model `spec` (a packaged model's name: `HEADS_DIR`/<spec>.safetensors)."""
+    path = HEADS_DIR / f"{spec}.safetensors"
+    return path if spec and "/" not in spec and ":" not in spec and path.is_file() else None
+
+
+def packaged_heads() -> list[str]:
+    """The models a draft head is packaged for."""
+    return sorted(p.name.removesuffix(".safetensors") for p in HEADS_DIR.glob("*.safetensors"))
 
 
 def check_drafter(kind: str, allowed: tuple[str, ...] = DRAFTER_KINDS) -> str:

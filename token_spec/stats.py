@@ -18,6 +18,9 @@ SPEC_COUNTERS = ("spec_verify_ct", "spec_num_proposed_drafts", "spec_num_correct
 #: Of those drafts, the ones a draft model (the small one) wrote, and how many it got accepted: in the views only
 #: where a draft model drafted (`hybrid`, `draft-model`); the rest were model-free.
 MODEL_DRAFT_COUNTERS = ("model_drafts", "model_correct_drafts")
+#: Of those drafts, the ones of rounds the target's draft head drafted (`head`: its chain, alone or beside the
+#: model-free draft), and how many of them were accepted: in the views only where it drafted.
+HEAD_DRAFT_COUNTERS = ("head_drafts", "head_correct_drafts")
 #: Seconds a local decoder measures; None where a backend does not measure them (a server).
 SPEC_TIMINGS = ("draft_time_s", "verify_time_s", "prefill_time_s")
 
@@ -39,6 +42,8 @@ class SpecStats:
     grammar_forced_drafts: int = 0  # of the proposed, tokens a grammar forced (drafted for free)
     model_drafts: int = 0  # of the proposed, tokens a draft model (the small one) wrote; the rest are model-free
     model_correct_drafts: int = 0  # of those, the ones accepted
+    head_drafts: int = 0  # of the proposed, tokens of rounds the draft head drafted (token_spec/head_drafter.py)
+    head_correct_drafts: int = 0  # of those, the ones accepted
     draft_time_s: float | None = None
     verify_time_s: float | None = None
     prefill_time_s: float | None = None
@@ -107,10 +112,11 @@ class SpecStats:
         """The summable counters (a run's `cost["spec"]`); empty when nothing was verified."""
         if not self.speculated:
             return {}
-        names = SPEC_COUNTERS + MODEL_DRAFT_COUNTERS if self.model_drafts else SPEC_COUNTERS
+        names = (SPEC_COUNTERS + (MODEL_DRAFT_COUNTERS if self.model_drafts else ())
+                 + (HEAD_DRAFT_COUNTERS if self.head_drafts else ()))
         return {k: getattr(self, k) for k in names}
 
 
 _FIELDS = tuple(f.name for f in fields(SpecStats))
 
-__all__ = ["MODEL_DRAFT_COUNTERS", "SPEC_COUNTERS", "SPEC_TIMINGS", "SpecStats"]
+__all__ = ["HEAD_DRAFT_COUNTERS", "MODEL_DRAFT_COUNTERS", "SPEC_COUNTERS", "SPEC_TIMINGS", "SpecStats"]

@@ -22,7 +22,7 @@ from thinkahead.cli.options import InputError, model_file_errors, output_errors,
 from thinkahead.config import default
 from thinkahead.models.engine.weights.load import DTYPES
 from thinkahead.token_spec.names import (
-    DRAFTER_CHOICES, MODEL_DRAFT_KINDS, SOLO_DRAFTER, resolve_drafter,
+    DRAFTER_CHOICES, HEAD_KIND, MODEL_DRAFT_KINDS, SOLO_DRAFTER, packaged_head, resolve_drafter,
 )
 
 
@@ -159,8 +159,10 @@ def generate(prompts, input_path, output, model, drafter, draft_model, max_new_t
     if draft_model and drafter not in MODEL_DRAFT_KINDS:
         raise click.UsageError(f"--draft-model drafts for --drafter hybrid or draft-model, not {drafter}")
     try:
-        drafter = resolve_drafter(drafter, draft_model is not None)
-    except ValueError:
+        drafter = resolve_drafter(drafter, draft_model is not None, has_head=packaged_head(model) is not None)
+    except ValueError as exc:
+        if drafter == HEAD_KIND:
+            raise click.UsageError(f"--drafter head: {exc}") from None
         raise click.UsageError(f"--drafter {drafter} needs --draft-model") from None
     for option, spec in (("--model", model), ("--draft-model", draft_model)):
         try:

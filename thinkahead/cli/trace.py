@@ -51,9 +51,12 @@ def trace(results_path, run_id, full, as_json) -> None:
     spec = cost.get("spec") or {}
     if spec.get("spec_num_proposed_drafts"):
         proposed, by_model = spec["spec_num_proposed_drafts"], spec.get("model_drafts", 0)
+        by_head = spec.get("head_drafts", 0)
+        head = (f", in rounds the draft head drafted {by_head} ({spec.get('head_correct_drafts', 0)} accepted)"
+                if by_head else "")
         click.echo(f"drafts: {proposed} tokens proposed, {spec['spec_num_correct_drafts']} accepted; model-free "
-                   f"{proposed - by_model}, by the small model {by_model} ({spec.get('model_correct_drafts', 0)} "
-                   "accepted)")
+                   f"{proposed - by_model - by_head}, by the small model {by_model} "
+                   f"({spec.get('model_correct_drafts', 0)} accepted){head}")
     for e in r.trace:
         d = e["data"]
         if e["kind"] == "node_end":

@@ -29,7 +29,7 @@ from thinkahead.token_spec.draft_head import find_head
 from thinkahead.token_spec.engine import ForwardCall, Rounds
 from thinkahead.token_spec.grammar import GRAMMAR_KINDS, GrammarSpec, TokenGrammar
 from thinkahead.token_spec.names import (
-    HEAD_KIND, MODEL_DRAFT_KINDS, SOLO_DRAFTER, common_prefix_len, resolve_drafter,
+    HEAD_KIND, MODEL_DRAFT_KINDS, SOLO_DRAFTER, common_prefix_len, packaged_head, resolve_drafter,
 )
 from thinkahead.token_spec.recording import TokenRecorder
 
@@ -84,7 +84,8 @@ class LocalModel(LanguageModel):
         if draft is not None and draft.draft is not None:
             raise ValueError(f"draft model {draft.name} drafts with a model itself; give a model that drafts alone")
         self.config = config = EngineConfig.of(engine, **settings)
-        drafter = resolve_drafter(config.drafter, draft is not None)  # a model's kind without one: now
+        drafter = resolve_drafter(config.drafter, draft is not None,  # a model's kind without one: now
+                                  has_head=head is not None or packaged_head(spec) is not None)
         if draft is not None and drafter in MODEL_DRAFT_KINDS:  # the draft model's scheduler runs both models
             unlike = scheduler_conflicts(config, draft.config)
             if unlike:
