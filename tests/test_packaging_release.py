@@ -100,3 +100,12 @@ def test_plain_hub_ids_are_model_specs(spec):
     assert (source.kind, source.location) == ("hf", spec)
     config = OrchestratorConfig.model_validate({"small": spec, "large": {"spec": spec}})
     assert config.small.spec == spec
+
+
+def test_the_packaged_draft_heads_install_with_the_package():
+    """`drafter: auto` reads token_spec/heads/<model>.safetensors: a wheel and an sdist must carry them."""
+    from thinkahead.token_spec.names import HEADS_DIR, packaged_heads
+
+    assert packaged_heads() and HEADS_DIR == ROOT / "token_spec" / "heads"
+    assert "heads/*.safetensors" in PYPROJECT["tool"]["setuptools"]["package-data"]["thinkahead.token_spec"]
+    assert "recursive-include token_spec/heads *.safetensors" in (ROOT / "MANIFEST.in").read_text().splitlines()

@@ -138,20 +138,18 @@ def test_chi_square_detects_a_biased_sampler() -> None:
     assert chi2_pvalue(counts, exact_pair_probs(first, second, params), n) < P_MIN
 
 
-@pytest.mark.slow  # ~10 s each: keeps `-m "not slow"` under 3 minutes; CI runs it
-@pytest.mark.parametrize("draft_vocab", [None, 5])
-def test_decoder_sampling_end_to_end_matches_model(draft_vocab) -> None:
-    """The whole loop (draft model with q, KV rollback) samples the tiny model's own distribution; also
-    when the draft model's output layer keeps ids 0-4 and the prompt's (token 6 is never drafted)."""
-    vocab = 8
-    cfg = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_attention_heads=4,
-               num_key_value_heads=2, num_hidden_layers=2, initializer_range=0.3, pad_token_id=0)
-    torch.manual_seed(0)
-    target = LlamaForCausalLM(LlamaConfig(**cfg)).eval()
-    torch.manual_seed(1)
-    small = LlamaForCausalLM(LlamaConfig(**cfg)).eval()
-    engine = HFEngine(target)
-    decoder = SpeculativeDecoder(engine, DraftModelDrafter(HFEngine(small), seed=3, vocab=draft_vocab), FixedController(3))
+TINY = dict(vocab_size=8, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+            num_hidden_layers=2, initializer_range=0.3, pad_token_id=0)
+
+
+def tiny_llama(seed: int) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(**TINY)).eval()
+
+
+def two_token_pvalue(decoder: SpeculativeDecoder, n: int = 1000) -> float:
+    """How well `decoder`'s sampled two-token continuations of a fixed prompt fit its engine's own distribution."""
+    engine, vocab = decoder.engine, TINY["vocab_size"]
     prompt = [1, 5, 2, 7]
     params = SamplingParams(temperature=1.0)
     exact = {}
@@ -160,13 +158,45 @@ def test_decoder_sampling_end_to_end_matches_model(draft_vocab) -> None:
     for a, b in itertools.product(range(vocab), repeat=2):
         p2 = target_probs(engine.logits_for_prefix(prompt + [a])[-1][None], params)[0]
         exact[(a, b)] = float(p1[a] * p2[b])
-    n = 1000
     counts: dict = {}
     for i in range(n):
         out = decoder.generate(prompt, max_new_tokens=2, sampling=params, stop_token_ids=[], seed=i)
         key = tuple(out.token_ids)
         counts[key] = counts.get(key, 0) + 1
-    assert chi2_pvalue(counts, exact, n) > P_MIN
+    return chi2_pvalue(counts, exact, n)
+
+
+@pytest.mark.slow  # ~10 s each: keeps `-m "not slow"` under 3 minutes; CI runs it
+@pytest.mark.parametrize("draft_vocab", [None, 5])
+def test_decoder_sampling_end_to_end_matches_model(draft_vocab) -> None:
+    """The whole loop (draft model with q, KV rollback) samples the tiny model's own distribution; also
+    when the draft model's output layer keeps ids 0-4 and the prompt's (token 6 is never drafted)."""
+    engine = HFEngine(tiny_llama(0))
+    small = tiny_llama(1)
+    decoder = SpeculativeDecoder(engine, DraftModelDrafter(HFEngine(small), seed=3, vocab=draft_vocab), FixedController(3))
+    assert two_token_pvalue(decoder) > P_MIN
+
+
+@pytest.mark.slow
+def test_sampling_with_draft_head_guesses_matches_model() -> None:
+    """A draft head's guesses (point masses from the target's own hidden states) keep sampling exact."""
+    from thinkahead.token_spec.draft_head import DraftHead
+    from thinkahead.token_spec.drafters import CombinedDrafter
+    from thinkahead.token_spec.head_drafter import HeadDrafter
+
+    target = tiny_llama(0)
+    torch.manual_seed(2)
+    head = DraftHead(TINY["hidden_size"], 8, 6).eval()  # guesses among ids 0-5 and the context's
+    torch.nn.init.normal_(head.up.weight, std=0.3)
+    engine = HFEngine(target)
+    drafter = HeadDrafter(head, target.get_input_embeddings(), target.get_output_embeddings(), TINY["vocab_size"],
+                          CombinedDrafter(), min_prob=0.0)
+    guesses = []
+    real = drafter.propose
+    drafter.propose = lambda *a: guesses.append(real(*a)) or guesses[-1]
+    decoder = SpeculativeDecoder(engine, drafter, FixedController(2))
+    assert two_token_pvalue(decoder) > P_MIN
+    assert sum(d.source == "draft-head" for d in guesses) > 100  # the head guessed (else the combined draft agreed)
 
 
 def sorted_nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
