@@ -118,8 +118,8 @@ class Recording(HeadDrafter):
         self.told.append((hidden, at))
         super().observe_hidden(rid, hidden, at)
 
-    def propose(self, rid, context, budget):
-        draft = super().propose(rid, context, budget)
+    def propose_rounds(self, rid, context, budget):
+        draft = yield from super().propose_rounds(rid, context, budget)
         self.drafts.append(draft)
         return draft
 
@@ -207,6 +207,8 @@ def test_greedy_output_with_head_drafts_equals_plain_greedy_alone_and_in_a_batch
     assert [r.token_ids for r in alone] == expected
     assert sum(d.source == HEAD_SOURCE for d in decoder.drafter.drafts) >= 10
     decoder.drafter.drafts.clear()
+    guesses, real = [], decoder.drafter.engine.forward_batch
+    decoder.drafter.engine.forward_batch = lambda calls: guesses.append(len(calls)) or real(calls)
     scheduler = BatchScheduler(engine, prefill_chunk=8)
     futures = [scheduler.submit(lambda p=p, n=n: decoder.rounds(p, n, stop_token_ids=[], share=scheduler.share()))
                for p, n in jobs]
@@ -215,6 +217,7 @@ def test_greedy_output_with_head_drafts_equals_plain_greedy_alone_and_in_a_batch
     assert [r.token_ids for r in results] == expected
     assert scheduler.peak_batch >= 4
     assert sum(d.source == HEAD_SOURCE for d in decoder.drafter.drafts) >= 10  # from the batch's hidden states
+    assert max(guesses) >= 3  # the sequences' head guesses ran together, one pass for all
 
 
 def test_a_local_model_drafts_with_the_head_it_is_given_and_answers_as_plain_greedy(tiny_gguf, tmp_path) -> None:

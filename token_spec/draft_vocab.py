@@ -106,9 +106,13 @@ class RequestVocab:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The kept ids' logits `[n, len(ids)]` for hidden states `[n, hidden]`."""
         base = self.vocab.base(hidden)
-        if self._extra_head is None:
-            return base
-        return torch.cat([base, self._extra_head(hidden)], dim=-1)
+        extra = self.extra_logits(hidden)
+        return base if extra is None else torch.cat([base, extra], dim=-1)
+
+    def extra_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The logits of the context's ids above the shared ones `[n, len(extra)]` (None without any): the columns
+        after the shared ids' in `logits`."""
+        return None if self._extra_head is None else self._extra_head(hidden)
 
     def full(self, dist: torch.Tensor) -> torch.Tensor:
         """A distribution over the kept ids `[len(ids)]` spread over the whole vocabulary (zero elsewhere)."""

@@ -13,6 +13,10 @@ it kept (`observe_hidden`, where the engine gives hidden states: `ForwardCall.on
 Without a hidden state for this context (the first round after a prompt read from the prefix pool, tokens a grammar
 forced, an engine without hidden states) the inner drafter drafts alone. Drafts never change what is generated:
 the target verifies every token.
+
+Each head guess is a one-token forward of `HeadEngine` (`propose_rounds` yields them as `ForwardCall`s naming it),
+so a scheduler runs the guesses of every sequence in a batch together: one pass over the output rows for all of
+them (1.5B: 1.3 ms a pass; guessed one sequence at a time, 3 chains of thought spent 1.6 s of a 14 s job on it).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Any
 import torch
 
 from thinkahead.token_spec.draft import Draft
+from thinkahead.token_spec.engine import ForwardCall, Rounds, run_inline
 from thinkahead.token_spec.draft_head import DraftHead
 from thinkahead.token_spec.draft_vocab import DraftVocab, RequestVocab
 from thinkahead.token_spec.names import HEAD_SOURCE
@@ -35,10 +40,44 @@ HEAD_LONG_MATCH = 8  # an inner draft from a context match this long or longer i
 
 
 @dataclass(slots=True)
-class _Request:
+class HeadSession:
+    """One sequence's place in the head's chain: the feature the next guess reads, and the ids it picks among."""
+
     vocab: RequestVocab
-    hidden: torch.Tensor | None = None
-    at: int = -1  # the context length the hidden state belongs to
+    feature: torch.Tensor | None = None  # [hidden]: the target's hidden state, then the head's features
+    at: int = -1  # the context length the target's hidden state belongs to
+
+
+class HeadEngine:
+    """The draft head as an engine of one-token forwards: `forward_batch` moves each call's session feature by the
+    head (with its token's embedding) and returns the logits over the session's kept ids, every call's in one pass
+    over the shared output rows (the context's own ids apart, per session)."""
+
+    batches_rows = False  # a scheduler sends it every waiting call at once; it never prefills
+
+    def __init__(self, head: DraftHead, embed: Callable[[torch.Tensor], torch.Tensor], vocab: DraftVocab) -> None:
+        self.head, self.embed, self.vocab = head, embed, vocab
+        self.vocab_size = vocab.vocab_size
+
+    def forward(self, session: HeadSession, token_ids: list[int], parents: list[int] | None = None,
+                last_only: bool = False) -> torch.Tensor:
+        return self.forward_batch([ForwardCall(session, token_ids, parents, last_only)])[0]
+
+    def forward_batch(self, calls: list[ForwardCall]) -> list[torch.Tensor]:
+        for c in calls:
+            if len(c.token_ids) != 1 or c.parents is not None or c.session.feature is None:
+                raise ValueError("a draft head forward is one token after a session's feature")
+        with torch.inference_mode():
+            features = torch.stack([c.session.feature for c in calls]).float()
+            tokens = torch.tensor([c.token_ids[0] for c in calls], dtype=torch.long)
+            features = self.head(features, self.embed(tokens).float())
+            base = self.vocab.base(features).float()
+            out = []
+            for i, c in enumerate(calls):
+                c.session.feature = features[i]
+                extra = c.session.vocab.extra_logits(features[i:i + 1])
+                out.append(base[i:i + 1] if extra is None else torch.cat([base[i:i + 1], extra.float()], dim=-1))
+        return out
 
 
 def beside(first: Draft, second: Draft) -> Draft:
@@ -66,13 +105,14 @@ class HeadDrafter:
                              f"{long_match}")
         self.head, self.embed, self.inner = head, embed, inner
         self.vocab = DraftVocab(output, vocab_size, head.vocab)
+        self.engine = HeadEngine(head, embed, self.vocab)
         self.depth, self.min_prob, self.long_match = depth, min_prob, long_match
-        self._requests: dict[Hashable, _Request] = {}
+        self._requests: dict[Hashable, HeadSession] = {}
 
     def start(self, rid: Hashable, prompt_ids: Sequence[int], params: SamplingParams,
               session_id: Hashable | None = None) -> None:
         self.inner.start(rid, prompt_ids, params, session_id=session_id)
-        request = _Request(self.vocab.for_request())
+        request = HeadSession(self.vocab.for_request())
         request.vocab.add(prompt_ids)
         self._requests[rid] = request
 
@@ -80,34 +120,35 @@ class HeadDrafter:
         """The hidden state `[hidden]` of the row that chose the last token of a context of `at` tokens."""
         request = self._requests.get(rid)
         if request is not None:
-            request.hidden, request.at = hidden, at
+            request.feature, request.at = hidden, at
 
     def propose(self, rid: Hashable, context: Sequence[int], budget: int) -> Draft:
+        return run_inline(self.engine, self.propose_rounds(rid, context, budget))
+
+    def propose_rounds(self, rid: Hashable, context: Sequence[int], budget: int) -> Rounds[Draft]:
+        """`propose` as a coroutine that yields each head guess as a forward of `engine` (a scheduler batches
+        them across sequences)."""
         inner = self.inner.propose(rid, context, budget)
         request = self._requests.get(rid)
-        if (budget <= 0 or request is None or request.hidden is None or request.at != len(context)
+        if (budget <= 0 or request is None or request.feature is None or request.at != len(context)
                 or inner.match_len >= self.long_match):
             return inner
-        guess = self._chain(request, int(context[-1]), min(budget, self.depth))
+        chain = HeadSession(request.vocab, request.feature)  # the guesses move its feature, not the request's
+        tokens: list[int] = []
+        probs: list[float] = []
+        token = int(context[-1])
+        for _ in range(min(budget, self.depth)):
+            logits = yield ForwardCall(chain, [token], engine=self.engine)
+            prob, j = torch.softmax(logits[-1], dim=-1).max(dim=-1)
+            if tokens and float(prob) < self.min_prob:
+                break
+            token = int(request.vocab.ids[int(j)])
+            tokens.append(token)
+            probs.append(float(prob))
+        guess = Draft.chain(tokens, probs, source=HEAD_SOURCE)
         if len(inner) and inner.token_ids[0] == guess.token_ids[0]:
             return inner
         return beside(guess, inner.truncated(budget - len(guess)))
-
-    def _chain(self, request: _Request, token: int, n: int) -> Draft:
-        tokens: list[int] = []
-        probs: list[float] = []
-        hidden = request.hidden[None].float()
-        with torch.inference_mode():
-            for _ in range(n):
-                feature = self.head(hidden, self.embed(torch.tensor([token])).float())
-                prob, j = torch.softmax(request.vocab.logits(feature)[0].float(), dim=-1).max(dim=-1)
-                if tokens and float(prob) < self.min_prob:
-                    break
-                token = int(request.vocab.ids[int(j)])
-                tokens.append(token)
-                probs.append(float(prob))
-                hidden = feature
-        return Draft.chain(tokens, probs, source=HEAD_SOURCE)
 
     def observe(self, rid: Hashable, accepted: Sequence[int], proposed: Draft) -> None:
         self.inner.observe(rid, accepted, proposed)
