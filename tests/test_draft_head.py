@@ -216,7 +216,7 @@ def test_greedy_output_with_head_drafts_equals_plain_greedy_alone_and_in_a_batch
     scheduler.close()
     assert [r.token_ids for r in results] == expected
     assert scheduler.peak_batch >= 4
-    assert sum(d.source == HEAD_SOURCE for d in decoder.drafter.drafts) >= 10  # from the batch's hidden states
+    assert sum(d.source == HEAD_SOURCE for d in decoder.drafter.drafts) >= 4  # from the batch's hidden states
     assert max(guesses) >= 3  # the sequences' head guesses ran together, one pass for all
 
 
@@ -257,3 +257,19 @@ def test_the_packaged_head_of_the_real_15b_drafts_tokens_that_hold_and_changes_n
     # a chain of thought the head was not trained on: most rounds are its, and it is right far more often than not
     assert spec.head_drafts >= spec.spec_num_proposed_drafts / 2
     assert spec.spec_accept_length >= 1.4, spec
+
+
+def test_a_round_without_room_probes_with_the_free_inner_draft_not_the_head(engine) -> None:
+    """A probe (a draft checked, not verified) is free to ask of `combined`; a head guess asked there ran outside any
+    batch, one pass over the output rows per sequence and round (8 streams: 983 lone passes, 2.6 s of 20)."""
+    from thinkahead.token_spec.controller import FixedController
+    from thinkahead.token_spec.decoder import SpeculativeDecoder
+
+    drafter = head_decoder(engine, a_head(3)).drafter
+    passes, real = [], drafter.engine.forward_batch
+    drafter.engine.forward_batch = lambda calls: passes.append(len(calls)) or real(calls)
+    decoder = SpeculativeDecoder(engine, drafter, FixedController(0))
+    p = prompt(5, 30)
+    result = decoder.generate(p, 30, stop_token_ids=[])
+    assert result.token_ids == plain_greedy(engine, p, 30)
+    assert result.stats.spec_num_proposed_drafts == 0 and passes == []

@@ -284,8 +284,10 @@ class SpeculativeDecoder:
                     draft = drafter.propose(gen.rid, gen.context, budget)
                 return self.controller.trim(draft).truncated(room), None, 0
             if drafter.model_free:
-                # Free to ask: see whether a draft would have hit, without verifying it.
-                return Draft(), drafter.propose(gen.rid, gen.context, self.probe_tokens), 0
+                # Free to ask: see whether a draft would have hit, without verifying it (`probe` where asking
+                # `propose` is not free).
+                probe = getattr(drafter, "probe", drafter.propose)
+                return Draft(), probe(gen.rid, gen.context, self.probe_tokens), 0
             return Draft(), None, 0
         finally:
             gen.draft_s += time.perf_counter() - t0

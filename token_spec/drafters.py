@@ -37,7 +37,8 @@ class Drafter(Protocol):
     """Proposes drafts for a request and learns from what the target kept.
 
     `model_free` drafters cost next to nothing to call, so the decoder may ask
-    them for a draft it will not verify, just to see whether it would have hit.
+    them for a draft it will not verify, just to see whether it would have hit (their `probe(rid, context,
+    budget)` where they have one, else `propose`).
     A drafter that runs a model also has `propose_rounds(rid, context, budget)`: `propose` as a coroutine that
     yields its model's forwards (`ForwardCall`s naming the draft engine), so a scheduler batches them; and it may
     have `propose_free(rid, context, budget)`, its model-free draft, which the decoder takes instead while the

@@ -150,6 +150,11 @@ class HeadDrafter:
             return inner
         return beside(guess, inner.truncated(budget - len(guess)))
 
+    def probe(self, rid: Hashable, context: Sequence[int], budget: int) -> Draft:
+        """A draft the decoder checks without verifying it (a round with no room): the inner drafter's, free to
+        ask, where a head guess costs a pass over the output rows outside any batch."""
+        return self.inner.propose(rid, context, budget)
+
     def observe(self, rid: Hashable, accepted: Sequence[int], proposed: Draft) -> None:
         self.inner.observe(rid, accepted, proposed)
         request = self._requests.get(rid)
