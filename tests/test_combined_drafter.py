@@ -10,6 +10,8 @@ from thinkahead.token_spec.controller import FixedController
 from thinkahead.token_spec.decoder import SpeculativeDecoder, plain_greedy
 from thinkahead.token_spec.draft import Draft
 from thinkahead.token_spec.drafters import CombinedDrafter, SourceRate, followed, merge_drafts
+from thinkahead.token_spec.draft_head import DraftHead
+from thinkahead.token_spec.names import HEAD_KIND
 from thinkahead.token_spec.presets import DRAFTER_KINDS, build_decoder
 from thinkahead.token_spec.suffix_cache import SuffixCache
 from thinkahead.token_spec.suffix_tree import SuffixTree
@@ -193,7 +195,9 @@ def test_greedy_equivalence_every_preset(arch, kind, tiny_engine_factory) -> Non
     """Every registered drafter kind, as the CLI builds it, decodes exactly as plain greedy."""
     engine = tiny_engine_factory(arch)
     cache = SuffixCache(max_depth=24)
-    decoder = build_decoder(kind, engine, draft_engine=tiny_engine_factory(arch, seed=1), cache=cache, max_draft=8)
+    head = DraftHead(engine.model.config.hidden_size, 8, engine.vocab_size // 2) if kind == HEAD_KIND else None
+    decoder = build_decoder(kind, engine, draft_engine=tiny_engine_factory(arch, seed=1), cache=cache, max_draft=8,
+                            draft_head=head)
     for seed in range(2):
         prompt = repetitive_prompt(seed)
         reference = plain_greedy(engine, prompt, 40)
