@@ -179,17 +179,24 @@ def test_the_head_drafts_only_with_a_hidden_state_for_this_context_and_defers_to
     assert drafter.propose("r", context, 4) is inner.draft  # one for another context (tokens a grammar forced)
     drafter.observe_hidden("r", torch.randn(HIDDEN), len(context))
     assert drafter.propose("r", context, 0) is inner.draft  # no budget
+    inner.draft = Draft()  # nothing from the inner drafter: the head's chain alone
     own = drafter.propose("r", context, 4)
     assert own.source == HEAD_SOURCE and 1 <= len(own) <= 4 and own.is_chain
     assert all(0 <= t < VOCAB for t in own.token_ids) and own.probs[0] > 0
-    inner.draft = Draft.chain([own.token_ids[0], 9, 9], match_len=2)
-    assert drafter.propose("r", context, 4) is inner.draft  # it agrees with the head and goes on
     inner.draft = Draft.chain([(own.token_ids[0] + 1) % VOCAB, 9], match_len=8)
-    assert drafter.propose("r", context, 4) is inner.draft  # a long match: copied text
-    inner.draft = Draft.chain([(own.token_ids[0] + 1) % VOCAB, 9, 10], match_len=7)  # beside the head's chain
-    both = drafter.propose("r", context, len(own) + 2)
-    assert both.token_ids == own.token_ids + inner.draft.token_ids[:2]
-    assert both.parents == own.parents + [-1, len(own)] and both.source == HEAD_SOURCE
+    assert drafter.propose("r", context, 4) is inner.draft  # a long match: copied text, the head is not asked
+    assert all(1 >= a >= b > 0 for a, b in zip(own.probs, own.probs[1:]))  # the chance its chain holds that far
+    sure = [0.99, 0.98]  # a combined draft surer than the head: its nodes first, the head's first guess after them
+    inner.draft = Draft(token_ids=[(own.token_ids[0] + 1) % VOCAB, 9], parents=[-1, 0], probs=sure, match_len=3)
+    both = drafter.propose("r", context, 3)
+    assert both.token_ids == inner.draft.token_ids + own.token_ids[:1] and both.parents == [-1, 0, -1]
+    assert both.source == HEAD_SOURCE
+    inner.draft = Draft(token_ids=[own.token_ids[0], 9], parents=[-1, 0], probs=[0.5, 0.4], match_len=2)
+    agreed = drafter.propose("r", context, 2)  # the same first token: one node, both chances combined
+    assert agreed.token_ids[0] == own.token_ids[0] and agreed.probs[0] == pytest.approx(1 - 0.5 * (1 - own.probs[0]))
+    unsure = Draft(token_ids=[(own.token_ids[0] + 1) % VOCAB], parents=[-1], probs=[0.99], match_len=1)
+    inner.draft = unsure
+    assert drafter.propose("r", context, 1).source == unsure.source  # the inner draft won the only place
     drafter.finish("r")
     assert drafter.propose("r", context, 4) is inner.draft  # a finished request is forgotten
     with pytest.raises(ValueError, match="depth >= 1"):

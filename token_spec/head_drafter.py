@@ -4,11 +4,12 @@ After every verify forward the decoder hands the drafter the hidden state of the
 it kept (`observe_hidden`, where the engine gives hidden states: `ForwardCall.on_hidden`). The next draft is then:
 
 - the inner (model-free) drafter's alone, where it copies a long match (`long_match` tokens or more: copied text,
-  which it drafts far deeper than the head) or where its first token is the head's own guess (it goes on from
-  there);
-- else a tree: the head's chain (its guess after the bonus token, then its guesses after its own guesses while
-  each is at least `min_prob` likely; the first is always kept: the head is right about two times in three there)
-  and, beside it within the budget, the inner draft (on a CPU a few more rows cost little beside a forward).
+  which it drafts far deeper than the head; the head is not asked);
+- else one tree of the head's chain (its guess after the bonus token, then its guesses after its own guesses while
+  each is at least `min_prob` likely) and the inner draft, the nodes likeliest to be accepted first within the
+  budget (`merge_drafts`: a head node is worth the product of the head's probabilities along its chain, an inner
+  node its own value, a node both propose their noisy-or). Where the inner draft copies code or a template the
+  head's guesses lose to it; in a chain of thought they win.
 
 Without a hidden state for this context (the first round after a prompt read from the prefix pool, tokens a grammar
 forced, an engine without hidden states) the inner drafter drafts alone. Drafts never change what is generated:
@@ -27,6 +28,7 @@ from typing import Any
 
 import torch
 
+from thinkahead.token_spec.combined_drafter import merge_drafts
 from thinkahead.token_spec.draft import Draft
 from thinkahead.token_spec.engine import ForwardCall, Rounds, run_inline
 from thinkahead.token_spec.draft_head import DraftHead
@@ -80,16 +82,6 @@ class HeadEngine:
         return out
 
 
-def beside(first: Draft, second: Draft) -> Draft:
-    """One tree of two drafts from the same context: `first`'s nodes, then `second`'s (its roots are roots too)."""
-    if not len(second):
-        return first
-    shift = len(first)
-    return Draft(token_ids=first.token_ids + second.token_ids,
-                 parents=first.parents + [p if p < 0 else p + shift for p in second.parents],
-                 probs=first.probs + second.probs, score=first.score + second.score, source=first.source)
-
-
 class HeadDrafter:
     """Drafts with a trained draft head over the target's hidden states, or with `inner` (see the module doc)."""
 
@@ -135,7 +127,7 @@ class HeadDrafter:
             return inner
         chain = HeadSession(request.vocab, request.feature)  # the guesses move its feature, not the request's
         tokens: list[int] = []
-        probs: list[float] = []
+        path: list[float] = []  # the chance the head's chain holds up to each token, by its own estimates
         token = int(context[-1])
         for _ in range(min(budget, self.depth)):
             logits = yield ForwardCall(chain, [token], engine=self.engine)
@@ -144,11 +136,11 @@ class HeadDrafter:
                 break
             token = int(request.vocab.ids[int(j)])
             tokens.append(token)
-            probs.append(float(prob))
-        guess = Draft.chain(tokens, probs, source=HEAD_SOURCE)
-        if len(inner) and inner.token_ids[0] == guess.token_ids[0]:
-            return inner
-        return beside(guess, inner.truncated(budget - len(guess)))
+            path.append(float(prob) * (path[-1] if path else 1.0))
+        merged = merge_drafts([(Draft.chain(tokens, path), 1.0), (inner, 1.0)], budget, source=HEAD_SOURCE)
+        if all(merged.token_ids[i] != tokens[0] for i, p in enumerate(merged.parents) if p < 0):
+            merged.source = inner.source  # the inner draft won every place: the round is its
+        return merged
 
     def probe(self, rid: Hashable, context: Sequence[int], budget: int) -> Draft:
         """A draft the decoder checks without verifying it (a round with no room): the inner drafter's, free to
