@@ -194,6 +194,8 @@ def test_the_head_drafts_only_with_a_hidden_state_for_this_context_and_defers_to
     inner.draft = Draft(token_ids=[own.token_ids[0], 9], parents=[-1, 0], probs=[0.5, 0.4], match_len=2)
     agreed = drafter.propose("r", context, 2)  # the same first token: one node, both chances combined
     assert agreed.token_ids[0] == own.token_ids[0] and agreed.probs[0] == pytest.approx(1 - 0.5 * (1 - own.probs[0]))
+    inner.draft = Draft.chain([(own.token_ids[0] + 1) % VOCAB] * 6, [0.99] * 6, match_len=3)
+    assert drafter.propose("r", context, 6) is inner.draft  # it expects more than the head's whole chain can give
     unsure = Draft(token_ids=[(own.token_ids[0] + 1) % VOCAB], parents=[-1], probs=[0.99], match_len=1)
     inner.draft = unsure
     assert drafter.propose("r", context, 1).source == unsure.source  # the inner draft won the only place

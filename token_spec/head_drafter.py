@@ -5,6 +5,7 @@ it kept (`observe_hidden`, where the engine gives hidden states: `ForwardCall.on
 
 - the inner (model-free) drafter's alone, where it copies a long match (`long_match` tokens or more: copied text,
   which it drafts far deeper than the head; the head is not asked);
+- the inner draft alone too where it expects as many accepted tokens as the head's chain (its `score`: a copy);
 - else one tree of the head's chain (its guess after the bonus token, then its guesses after its own guesses while
   each is at least `min_prob` likely) and the inner draft, the nodes likeliest to be accepted first within the
   budget (`merge_drafts`: a head node is worth the product of the head's probabilities along its chain, an inner
@@ -137,6 +138,8 @@ class HeadDrafter:
             token = int(request.vocab.ids[int(j)])
             tokens.append(token)
             path.append(float(prob) * (path[-1] if path else 1.0))
+        if inner.score >= sum(path):  # it expects as many accepted tokens as the head's chain: a copy, keep it whole
+            return inner
         merged = merge_drafts([(Draft.chain(tokens, path), 1.0), (inner, 1.0)], budget, source=HEAD_SOURCE)
         if all(merged.token_ids[i] != tokens[0] for i, p in enumerate(merged.parents) if p < 0):
             merged.source = inner.source  # the inner draft won every place: the round is its
