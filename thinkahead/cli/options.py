@@ -19,7 +19,8 @@ from thinkahead.token_spec.names import DRAFTER_CHOICES, SOLO_DRAFTER
 POLICIES = POLICY_NAMES  # the registry's policies for batch runs (run, bench, serve)
 DRAFTER_HELP = (f"The large model's token drafter: auto is {SOLO_DRAFTER} (model-free, the fastest measured with runs "
                 f"in flight); hybrid also drafts with the small model (faster one run at a time; the small model must "
-                f"be local and share the tokenizer) [{default('large.drafter')}].")
+                f"be local and share the tokenizer); head drafts with the large model's packaged draft head (the "
+                f"fastest for chains of thought one or two at a time) [{default('large.drafter')}].")
 
 EXIT_OK, EXIT_RUNS_FAILED, EXIT_INPUT = 0, 1, 2  # docs/cli.md "Exit codes"
 
