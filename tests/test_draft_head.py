@@ -16,7 +16,6 @@ pytest.importorskip("thinkahead.models.engine.kernels._layer_native")
 pytest.importorskip("thinkahead.models.engine.kernels._kquant_native")
 
 from thinkahead.models.base import GenerationRequest
-from thinkahead.models.engine.runner import HFEngine
 from thinkahead.models.engine.scheduler import BatchScheduler
 from thinkahead.models.engine.weights import gguf_native
 from thinkahead.models.local import LocalModel
@@ -29,14 +28,8 @@ from thinkahead.token_spec.presets import build_decoder
 from thinkahead.token_spec.verify import SamplingParams
 
 from tests.test_gguf_native import HIDDEN, tiny_config, tiny_gguf  # noqa: F401 (fixture)
+from tests.test_ragged_batch import engine  # noqa: F401 (fixture: the tiny GGUF model's engine, batching rows)
 from tests.tiny_models import VOCAB, byte_tokenizer
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_gguf):
-    engine = HFEngine(gguf_native.build_model(tiny_gguf[0], tiny_config()))
-    assert engine.batches_rows
-    return engine
 
 
 def a_head(seed: int = 0, vocab: int = VOCAB // 2) -> DraftHead:
