@@ -211,7 +211,8 @@ def test_greedy_output_with_head_drafts_equals_plain_greedy_alone_and_in_a_batch
     decoder.drafter.drafts.clear()
     guesses, real = [], decoder.drafter.engine.forward_batch
     decoder.drafter.engine.forward_batch = lambda calls: guesses.append(len(calls)) or real(calls)
-    scheduler = BatchScheduler(engine, prefill_chunk=8)
+    # every decoder drafts by its own controller (no goodput plan, which may give the random head's drafts no room)
+    scheduler = BatchScheduler(engine, prefill_chunk=8, goodput=False)
     futures = [scheduler.submit(lambda p=p, n=n: decoder.rounds(p, n, stop_token_ids=[], share=scheduler.share()))
                for p, n in jobs]
     results = [f.result(timeout=60) for f in futures]
@@ -219,7 +220,7 @@ def test_greedy_output_with_head_drafts_equals_plain_greedy_alone_and_in_a_batch
     assert [r.token_ids for r in results] == expected
     assert scheduler.peak_batch >= 4
     assert sum(d.source == HEAD_SOURCE for d in decoder.drafter.drafts) >= 4  # from the batch's hidden states
-    assert max(guesses) >= 3  # the sequences' head guesses ran together, one pass for all
+    assert max(guesses) >= 4  # the sequences' head guesses ran together, one pass for all
 
 
 def test_a_local_model_drafts_with_the_head_it_is_given_and_answers_as_plain_greedy(tiny_gguf, tmp_path) -> None:

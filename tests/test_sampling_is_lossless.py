@@ -191,12 +191,11 @@ def test_sampling_with_draft_head_guesses_matches_model() -> None:
     engine = HFEngine(target)
     drafter = HeadDrafter(head, target.get_input_embeddings(), target.get_output_embeddings(), TINY["vocab_size"],
                           CombinedDrafter(), min_prob=0.0)
-    guesses = []
-    real = drafter.propose
-    drafter.propose = lambda *a: guesses.append(real(*a)) or guesses[-1]
+    passes, real = [], drafter.engine.forward_batch
+    drafter.engine.forward_batch = lambda calls: passes.append(len(calls)) or real(calls)
     decoder = SpeculativeDecoder(engine, drafter, FixedController(2))
     assert two_token_pvalue(decoder) > P_MIN
-    assert sum(d.source == "draft-head" for d in guesses) > 100  # the head guessed (else the combined draft agreed)
+    assert len(passes) > 500  # the head guessed in most of the 1000 generations
 
 
 def sorted_nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
