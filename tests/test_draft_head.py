@@ -168,33 +168,41 @@ def test_the_head_drafts_only_with_a_hidden_state_for_this_context_and_defers_to
     context = prompt(1, 20)
     drafter.start("r", context, SamplingParams())
     inner.draft = Draft.chain([7, 8], match_len=3)
-    assert drafter.propose("r", context, 4) is inner.draft  # no hidden state yet
+    assert drafter.propose("r", context, 4) == inner.draft  # no hidden state yet
     drafter.observe_hidden("r", torch.randn(HIDDEN), len(context) - 1)
-    assert drafter.propose("r", context, 4) is inner.draft  # one for another context (tokens a grammar forced)
+    assert drafter.propose("r", context, 4) == inner.draft  # one for another context (tokens a grammar forced)
     drafter.observe_hidden("r", torch.randn(HIDDEN), len(context))
-    assert drafter.propose("r", context, 0) is inner.draft  # no budget
+    assert drafter.propose("r", context, 0) == inner.draft  # no budget
     inner.draft = Draft()  # nothing from the inner drafter: the head's chain alone
     own = drafter.propose("r", context, 4)
     assert own.source == HEAD_SOURCE and 1 <= len(own) <= 4 and own.is_chain
     assert all(0 <= t < VOCAB for t in own.token_ids) and own.probs[0] > 0
     inner.draft = Draft.chain([(own.token_ids[0] + 1) % VOCAB, 9], match_len=8)
-    assert drafter.propose("r", context, 4) is inner.draft  # a long match: copied text, the head is not asked
+    assert drafter.propose("r", context, 4) == inner.draft  # a long match: copied text, the head is not asked
     assert all(1 >= a >= b > 0 for a, b in zip(own.probs, own.probs[1:]))  # the chance its chain holds that far
-    sure = [0.99, 0.98]  # a combined draft surer than the head: its nodes first, the head's first guess after them
-    inner.draft = Draft(token_ids=[(own.token_ids[0] + 1) % VOCAB, 9], parents=[-1, 0], probs=sure, match_len=3)
-    both = drafter.propose("r", context, 3)
-    assert both.token_ids == inner.draft.token_ids + own.token_ids[:1] and both.parents == [-1, 0, -1]
+    inner.draft = Draft()
+    torch.manual_seed(3)  # a hidden state scaled until the head is sure of its guesses
+    drafter.observe_hidden("r", 60 * torch.randn(HIDDEN), len(context))
+    sure = drafter.propose("r", context, 4)
+    token = sure.token_ids[0]
+    assert len(sure) == 4 and sure.probs[-1] > 0.9
+    other = (token + 1) % VOCAB
+    inner.draft = Draft.chain([other, 9], [0.6, 0.5], match_len=3)  # less sure than the head: merged after it
+    both = drafter.propose("r", context, 5)
+    assert both.token_ids == sure.token_ids + [other] and both.parents == sure.parents + [-1]
     assert both.source == HEAD_SOURCE
-    inner.draft = Draft(token_ids=[own.token_ids[0], 9], parents=[-1, 0], probs=[0.5, 0.4], match_len=2)
+    assert all(a >= b for a, b in zip(both.probs, both.probs[1:]))  # the worthiest first: rows are cut from the end
+    inner.draft = Draft.chain([token, 9], [0.5, 0.4], match_len=2)
     agreed = drafter.propose("r", context, 2)  # the same first token: one node, both chances combined
-    assert agreed.token_ids[0] == own.token_ids[0] and agreed.probs[0] == pytest.approx(1 - 0.5 * (1 - own.probs[0]))
-    inner.draft = Draft.chain([(own.token_ids[0] + 1) % VOCAB] * 6, [0.99] * 6, match_len=3)
-    assert drafter.propose("r", context, 6) is inner.draft  # it expects more than the head's whole chain can give
-    unsure = Draft(token_ids=[(own.token_ids[0] + 1) % VOCAB], parents=[-1], probs=[0.99], match_len=1)
+    assert agreed.token_ids[0] == token and agreed.probs[0] == pytest.approx(1 - 0.5 * (1 - sure.probs[0]))
+    inner.draft = Draft.chain([other] * 6, [0.99] * 6, match_len=3)
+    assert drafter.propose("r", context, 6) == inner.draft  # it expects more than the head's whole chain can give
+    drafter.observe_hidden("r", torch.randn(HIDDEN), len(context))  # an unsure head again
+    unsure = Draft(token_ids=[other], parents=[-1], probs=[0.99], match_len=1)
     inner.draft = unsure
     assert drafter.propose("r", context, 1).source == unsure.source  # the inner draft won the only place
     drafter.finish("r")
-    assert drafter.propose("r", context, 4) is inner.draft  # a finished request is forgotten
+    assert drafter.propose("r", context, 4) == inner.draft  # a finished request is forgotten
     with pytest.raises(ValueError, match="depth >= 1"):
         HeadDrafter(a_head(), model.get_input_embeddings(), model.lm_head, VOCAB, inner, depth=0)
 

@@ -28,7 +28,7 @@ from thinkahead.token_spec.grammar import Constraint
 from thinkahead.token_spec.names import ACCEPT_PRIOR, HEAD_SOURCE, MODEL_DRAFT_SOURCE, common_prefix_len
 from thinkahead.token_spec.prefix_pool import KVPrefixPool
 from thinkahead.token_spec.stats import SpecStats
-from thinkahead.token_spec.verify import Acceptance, SamplingParams, verify_greedy, verify_sampling
+from thinkahead.token_spec.verify import Acceptance, SamplingParams, path_logprobs, verify_greedy, verify_sampling
 
 
 _GENERATIONS = itertools.count()  # numbers every generation of the process (its drafter request id)
@@ -269,8 +269,9 @@ class SpeculativeDecoder:
         if drafter is None or room <= 0:
             return Draft(), None, 0
         budget = min(self.controller.budget(), room)
-        if gen.share is not None:
-            budget = min(budget, gen.share.limit(gen.accept_rate))
+        if gen.share is not None:  # told the acceptance either way; a priced draft is cut by the scheduler instead
+            limit = gen.share.limit(gen.accept_rate)
+            budget = budget if self._priced(gen) else min(budget, limit)
         t0 = time.perf_counter()
         try:
             if gen.constraint is not None:
@@ -312,7 +313,10 @@ class SpeculativeDecoder:
         parents = [-1] + [p + 1 for p in draft.parents] if tree else None
         start = gen.session.length
         t0 = time.perf_counter()
-        logits = yield ForwardCall(gen.session, tokens, parents, on_hidden=self._keep_rows(gen))
+        values = list(draft.probs) if self._priced(gen) and len(draft) else None
+        logits = yield ForwardCall(gen.session, tokens, parents, on_hidden=self._keep_rows(gen), values=values)
+        if len(logits) < len(tokens):  # the scheduler verified the worthiest rows only (ForwardCall.values)
+            draft, tokens = draft.truncated(len(logits) - 1), tokens[:len(logits)]
         if gen.constraint is not None and gen.sampling.greedy:
             acceptance = verify_greedy_constrained(logits, draft, gen.constraint)
         elif gen.constraint is not None:
@@ -361,7 +365,8 @@ class SpeculativeDecoder:
             stats.head_drafts += len(rnd.draft)
             stats.head_correct_drafts += accepted
         stats.grammar_forced_drafts += rnd.forced
-        if gen.share is not None and len(rnd.draft) and not gen.share.alone:  # the plan sized it: say how it went
+        if gen.share is not None and len(rnd.draft) and not gen.share.alone and not self._priced(gen):
+            # the plan sized it: say how it went
             a = min(gen.accept_rate, 0.999)
             gen.share.verified(a * (1 - a ** len(rnd.draft)) / (1 - a), accepted)
         gen.accept_rate = moved_accept_rate(gen.accept_rate, len(rnd.draft), accepted)
@@ -404,6 +409,11 @@ class SpeculativeDecoder:
             if not gen.done:  # the row that chose the bonus token: the one after the accepted path's last node
                 self._tell_hidden(gen, 1 + rnd.acceptance.accepted[-1] if rnd.acceptance.accepted else 0)
 
+    def _priced(self, gen: _Generation) -> bool:
+        """Whether its drafts go to the scheduler with each row's worth (`ForwardCall.values`): the drafter's node
+        values are calibrated worths (`priced_drafts`), and a scheduler prices rows."""
+        return gen.share is not None and gen.constraint is None and getattr(self.drafter, "priced_drafts", False)
+
     def _keep_rows(self, gen: _Generation) -> Callable[[torch.Tensor], None] | None:
         """Where the drafter reads the target's hidden states (`wants_hidden`): a callback that keeps a forward's."""
         if not getattr(self.drafter, "wants_hidden", False):
@@ -418,7 +428,7 @@ class SpeculativeDecoder:
     def _tell_hidden(self, gen: _Generation, row: int) -> None:
         """Give the drafter the hidden state of the last forward's `row` (the one whose logits chose the last token
         of the context), if the engine gave them."""
-        if gen.rows is None or not getattr(self.drafter, "wants_hidden", False):
+        if gen.rows is None:  # set only where the drafter wants hidden states (_keep_rows)
             return
         self.drafter.observe_hidden(gen.rid, gen.rows[row].clone(), len(gen.context))
         gen.rows = None
@@ -464,17 +474,6 @@ class SpeculativeDecoder:
         if eos is None:
             return []
         return list(eos) if isinstance(eos, (list, tuple)) else [eos]
-
-
-def path_logprobs(logits: torch.Tensor, draft: Draft, acceptance: Acceptance) -> list[float]:
-    """The model's log-probability (temperature 1) of each token the round keeps: the accepted draft
-    tokens, then the bonus. Row 0 of `logits` predicts the first of them, the row of accepted node i
-    (i + 1) the one after it; only those rows are normalised."""
-    rows = [0] + [i + 1 for i in acceptance.accepted]
-    picked = [draft.token_ids[i] for i in acceptance.accepted] + [acceptance.bonus]
-    sel = logits[rows].float()
-    chosen = sel[torch.arange(len(rows)), torch.tensor(picked)]
-    return (chosen - torch.logsumexp(sel, dim=-1)).tolist()
 
 
 def plain_greedy(engine, prompt_ids: Sequence[int], max_new_tokens: int, stop_token_ids: Sequence[int] = ()) -> list[int]:

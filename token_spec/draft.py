@@ -51,6 +51,13 @@ class Draft:
             **kw,
         )
 
+    def paths(self) -> list[tuple[int, ...]]:
+        """Each node's tokens, from the one after the context to the node itself."""
+        out: list[tuple[int, ...]] = []
+        for token, parent in zip(self.token_ids, self.parents):
+            out.append((out[parent] if parent >= 0 else ()) + (token,))
+        return out
+
     def truncated(self, n: int) -> Draft:
         """The first n nodes (valid for any tree: parents precede children)."""
         if n >= len(self.token_ids):

@@ -24,7 +24,10 @@ class ForwardCall:
     `session` where it is not the generation's own (a draft model's forward); `head`: an output layer in place of
     the engine's (a draft model's over part of the vocabulary); `on_hidden`: given the returned rows' normed last
     hidden states `[rows, hidden]` before they are sent back, where the engine has them (a draft head reads them:
-    draft_head.py). An engine without them never calls it."""
+    draft_head.py). An engine without them never calls it. `values`: the worth of each draft row (rows 1 on: the
+    tokens each is expected to add, non-increasing) where a scheduler may verify only the first rows, those that
+    pay for their place in its forward (goodput.price_rows); the generation then gets fewer rows of logits than it
+    sent tokens, and keeps that many."""
 
     session: Any
     token_ids: list[int]
@@ -33,6 +36,7 @@ class ForwardCall:
     engine: Any = None
     head: Callable[[torch.Tensor], torch.Tensor] | None = None
     on_hidden: Callable[[torch.Tensor], None] | None = None
+    values: list[float] | None = None
 
 
 @runtime_checkable

@@ -24,7 +24,7 @@ them (1.5B: 1.3 ms a pass; guessed one sequence at a time, 3 chains of thought s
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -35,6 +35,7 @@ from thinkahead.token_spec.engine import ForwardCall, Rounds, run_inline
 from thinkahead.token_spec.draft_head import DraftHead
 from thinkahead.token_spec.draft_vocab import DraftVocab, RequestVocab
 from thinkahead.token_spec.names import HEAD_SOURCE
+from thinkahead.token_spec.value_calibration import ValueCalibration
 from thinkahead.token_spec.verify import SamplingParams
 
 HEAD_DEPTH = 4  # head tokens per draft at most
@@ -49,6 +50,7 @@ class HeadSession:
     vocab: RequestVocab
     feature: torch.Tensor | None = None  # [hidden]: the target's hidden state, then the head's features
     at: int = -1  # the context length the target's hidden state belongs to
+    pending: list = field(default_factory=list)  # (calibration key, estimate, path) of each node of its last draft
 
 
 class HeadEngine:
@@ -88,6 +90,7 @@ class HeadDrafter:
 
     model_free = True  # a head token costs a small layer and a pass over the frequent ids' output rows
     wants_hidden = True
+    priced_drafts = True  # a draft's probs are calibrated worths: a scheduler keeps the rows that pay
     name = "head"
 
     def __init__(self, head: DraftHead, embed: Callable[[torch.Tensor], torch.Tensor], output: torch.nn.Module,
@@ -101,6 +104,7 @@ class HeadDrafter:
         self.engine = HeadEngine(head, embed, self.vocab)
         self.depth, self.min_prob, self.long_match = depth, min_prob, long_match
         self._requests: dict[Hashable, HeadSession] = {}
+        self.calibration = ValueCalibration()  # what its drafts' estimates came to, over every request
 
     def start(self, rid: Hashable, prompt_ids: Sequence[int], params: SamplingParams,
               session_id: Hashable | None = None) -> None:
@@ -121,29 +125,45 @@ class HeadDrafter:
     def propose_rounds(self, rid: Hashable, context: Sequence[int], budget: int) -> Rounds[Draft]:
         """`propose` as a coroutine that yields each head guess as a forward of `engine` (a scheduler batches
         them across sequences)."""
-        inner = self.inner.propose(rid, context, budget)
         request = self._requests.get(rid)
-        if (budget <= 0 or request is None or request.feature is None or request.at != len(context)
-                or inner.match_len >= self.long_match):
+        inner = self.inner.propose(rid, context, budget)
+        if budget <= 0 or request is None:
             return inner
-        chain = HeadSession(request.vocab, request.feature)  # the guesses move its feature, not the request's
+        inner = self._worth(request, inner, "copy" if inner.match_len >= self.long_match else "inner")
+        if request.feature is None or request.at != len(context) or inner.match_len >= self.long_match:
+            return inner
+        guess = HeadSession(request.vocab, request.feature)  # the guesses move its feature, not the request's
         tokens: list[int] = []
         path: list[float] = []  # the chance the head's chain holds up to each token, by its own estimates
         token = int(context[-1])
         for _ in range(min(budget, self.depth)):
-            logits = yield ForwardCall(chain, [token], engine=self.engine)
+            logits = yield ForwardCall(guess, [token], engine=self.engine)
             prob, j = torch.softmax(logits[-1], dim=-1).max(dim=-1)
             if tokens and float(prob) < self.min_prob:
                 break
             token = int(request.vocab.ids[int(j)])
             tokens.append(token)
             path.append(float(prob) * (path[-1] if path else 1.0))
-        if inner.score >= sum(path):  # it expects as many accepted tokens as the head's chain: a copy, keep it whole
+        chain = self._worth(request, Draft.chain(tokens, path), "head", keep=request.pending)
+        if inner.score >= chain.score:  # it expects as many accepted tokens as the head's chain: a copy, keep it whole
             return inner
-        merged = merge_drafts([(Draft.chain(tokens, path), 1.0), (inner, 1.0)], budget, source=HEAD_SOURCE)
+        merged = merge_drafts([(chain, 1.0), (inner, 1.0)], budget, source=HEAD_SOURCE)
         if all(merged.token_ids[i] != tokens[0] for i, p in enumerate(merged.parents) if p < 0):
             merged.source = inner.source  # the inner draft won every place: the round is its
         return merged
+
+    def _worth(self, request: HeadSession, draft: Draft, kind: str, keep: list | None = None) -> Draft:
+        """`draft` with its nodes' estimates turned into calibrated worths (`calibration`, by `kind` and depth, up to
+        3); each node is kept in `request.pending` (after `keep`) so `observe` can count what became of it."""
+        depth: list[int] = []
+        pending, probs = list(keep or ()), []
+        for path, parent, estimate in zip(draft.paths(), draft.parents, draft.probs):
+            depth.append(1 if parent < 0 else depth[parent] + 1)
+            key = (kind, min(depth[-1], 3))
+            pending.append((key, estimate, path))
+            probs.append(self.calibration(key, estimate))
+        request.pending = pending
+        return replace(draft, probs=probs, score=sum(probs))
 
     def probe(self, rid: Hashable, context: Sequence[int], budget: int) -> Draft:
         """A draft the decoder checks without verifying it (a round with no room): the inner drafter's, free to
@@ -153,8 +173,14 @@ class HeadDrafter:
     def observe(self, rid: Hashable, accepted: Sequence[int], proposed: Draft) -> None:
         self.inner.observe(rid, accepted, proposed)
         request = self._requests.get(rid)
-        if request is not None:
-            request.vocab.add(accepted)
+        if request is None:
+            return
+        request.vocab.add(accepted)
+        verified, kept = set(proposed.paths()), tuple(accepted[:-1])  # the last token is the target's own
+        for key, estimate, path in request.pending:  # each node the target saw: was it kept?
+            if path in verified:
+                self.calibration.record(key, estimate, kept[:len(path)] == path)
+        request.pending = []
 
     def finish(self, rid: Hashable) -> None:
         self.inner.finish(rid)

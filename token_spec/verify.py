@@ -183,3 +183,16 @@ def _uniform(generator: torch.Generator | None) -> float:
     import torch
 
     return float(torch.rand((), generator=generator))
+
+
+def path_logprobs(logits: torch.Tensor, draft: Draft, acceptance: Acceptance) -> list[float]:
+    """The model's log-probability (temperature 1) of each token the round keeps: the accepted draft
+    tokens, then the bonus. Row 0 of `logits` predicts the first of them, the row of accepted node i
+    (i + 1) the one after it; only those rows are normalised."""
+    import torch
+
+    rows = [0] + [i + 1 for i in acceptance.accepted]
+    picked = [draft.token_ids[i] for i in acceptance.accepted] + [acceptance.bonus]
+    sel = logits[rows].float()
+    chosen = sel[torch.arange(len(rows)), torch.tensor(picked)]
+    return (chosen - torch.logsumexp(sel, dim=-1)).tolist()

@@ -25,7 +25,7 @@ import heapq
 import itertools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from thinkahead.token_spec.controller import CostCurve, moving_average
 from thinkahead.token_spec.engine import TargetEngine
@@ -59,31 +59,61 @@ def allocate(accept_rates: list[float], cost: Callable[[int], float], most: int 
     second. Every prefix is weighed, not only until one more token stops paying: on a CPU a row costs most in
     a forward's first few and least in full tiles (see above), so a draft row that does not pay can be
     followed by a dozen that do. `trust` scales every draft token's expected gain (`Trust.factor`)."""
-    n = len(accept_rates)
-    lengths = [0] * n
-    if n == 0:
-        return lengths
     rates = [min(max(a, 0.0), 0.999) for a in accept_rates]
-    heap = [(-a * trust, i) for i, a in enumerate(rates) if a > 0]  # (minus the next draft token's gain, sequence)
+    gains = [_chain_gains(a * trust, a, most) for a in rates]
+    return _best_rows(gains, cost, len(rates), float(len(rates)), max_rows)
+
+
+def price_rows(worths: list[list[float]], cost: Callable[[int], float], rows: int, expected: float,
+               max_rows: int | None = None) -> list[int]:
+    """How many of each call's draft rows to verify: `worths[i]` holds call i's draft rows' worths (the tokens each
+    is expected to add, non-increasing: rows are kept from the first), beside `rows` rows that are verified anyway
+    and expected to commit `expected` tokens. The same choice as `allocate`: of every prefix of rows taken worthiest
+    first (up to `max_rows` rows in all), the one with the most expected tokens per second of forward."""
+    return _best_rows([_monotone(w) for w in worths], cost, rows, expected, max_rows)
+
+
+def _chain_gains(first: float, rate: float, most: int) -> Iterator[float]:
+    gain = first
+    for _ in range(most):
+        yield gain
+        gain *= rate
+
+
+def _monotone(worths: list[float]) -> Iterator[float]:
+    low = 1.0
+    for w in worths:
+        low = min(low, max(w, 0.0))
+        yield low
+
+
+def _best_rows(gains: list[Iterator[float]], cost: Callable[[int], float], rows: int, expected: float,
+               max_rows: int | None) -> list[int]:
+    """Rows taken one at a time, the next largest gain of any sequence first (each sequence's gains come in
+    non-increasing order); the count per sequence of the prefix with the most expected tokens per second."""
+    taken = [0] * len(gains)
+    if rows <= 0:
+        return taken
+    heap = []  # (minus a sequence's next gain, sequence)
+    for i, g in enumerate(gains):
+        first = next(g, 0.0)
+        if first >= NEGLIGIBLE_GAIN:
+            heap.append((-first, i))
     heapq.heapify(heap)
-    drafted = [0] * n
-    expected, rows = float(n), n
-    best_rate, best_rows, order = expected / cost(rows - 1), rows, []
+    best_rate, best, order = expected / cost(rows - 1), 0, []
     while heap and (max_rows is None or rows < max_rows):
         minus_gain, i = heapq.heappop(heap)
-        if -minus_gain < NEGLIGIBLE_GAIN:
-            break
         expected, rows = expected - minus_gain, rows + 1
         order.append(i)
-        drafted[i] += 1
         rate = expected / cost(rows - 1)
         if rate > best_rate:
-            best_rate, best_rows = rate, rows
-        if drafted[i] < most:
-            heapq.heappush(heap, (minus_gain * rates[i], i))
-    for i in order[:best_rows - n]:
-        lengths[i] += 1
-    return lengths
+            best_rate, best = rate, len(order)
+        following = next(gains[i], 0.0)
+        if following >= NEGLIGIBLE_GAIN:
+            heapq.heappush(heap, (-following, i))
+    for i in order[:best]:
+        taken[i] += 1
+    return taken
 
 
 def measure_rows(engine: TargetEngine, rows: tuple[int, ...] = CALIBRATION_ROWS,

@@ -42,7 +42,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from thinkahead.models.engine import calibration
-from thinkahead.models.engine.goodput import RowCost, Trust, allocate, measure_rows
+from thinkahead.models.engine.goodput import RowCost, Trust, allocate, measure_rows, price_rows
+from thinkahead.models.engine.lane import Lane
 from thinkahead.token_spec.engine import ForwardCall, Rounds, TargetEngine
 from thinkahead.token_spec.controller import moving_average
 from thinkahead.token_spec.names import ACCEPT_PRIOR, MAX_BATCH_ROWS, MAX_DRAFT, PREFILL_CHUNK
@@ -355,14 +356,15 @@ class BatchScheduler:
         if lane.prefill_chunk is None:  # the engine runs the calls one by one: rows cost what they cost
             return [(item, item.call, True) for item in live]
         decode = [i for i in live if not i.call.last_only]
+        calls = self._priced(lane, decode) if self.goodput else [i.call for i in decode]
         prefill = sorted((i for i in live if i.call.last_only),
                          key=lambda i: (i.passed < PREFILL_PATIENCE, len(i.call.token_ids), i.joined))
         chosen: list[tuple[_Live, ForwardCall, bool]] = []
         rows = 0
-        for item in decode:
-            n = len(item.call.token_ids)
+        for item, call in zip(decode, calls):
+            n = len(call.token_ids)
             if not chosen or rows + n <= self.max_rows:
-                chosen.append((item, item.call, True))
+                chosen.append((item, call, True))
                 rows += n
         room = self.max_rows if not chosen else min(lane.prefill_chunk, self.max_rows - rows)
         for item in prefill:
@@ -418,6 +420,27 @@ class BatchScheduler:
             return
         logger.info("%s: a forward's cost by rows (ms): %s", self.name, lane.cost.describe())
 
+    def _priced(self, lane: _Engine, decode: list[_Live]) -> list[ForwardCall]:
+        """The decode calls, each with the draft rows that pay for their place in this step where it gives their
+        worths (`ForwardCall.values`; goodput.price_rows), the others whole (expected to add their sequence's
+        acceptance rate, compounded)."""
+        worths: list[list[float]] = []
+        rows, expected = 0, 0.0
+        for item in decode:
+            call, a = item.call, min(item.accept, 0.999)
+            if call.values is None:
+                drafted = len(call.token_ids) - 1
+                rows, expected = rows + drafted + 1, expected + 1 + a * (1 - a ** drafted) / (1 - a)
+            else:
+                rows, expected = rows + 1, expected + 1
+            worths.append([] if call.values is None else call.values[:len(call.token_ids) - 1])
+        if not any(worths):
+            return [item.call for item in decode]
+        kept = price_rows(worths, lane.cost, rows, expected, self.max_rows)
+        return [item.call if item.call.values is None else replace(
+            item.call, token_ids=item.call.token_ids[:1 + k], values=None,
+            parents=None if item.call.parents is None else item.call.parents[:1 + k]) for item, k in zip(decode, kept)]
+
     def _step(self, lane: _Engine) -> None:
         batch = self._batch(lane)
         if not batch:
@@ -460,41 +483,6 @@ class BatchScheduler:
 def check_max_tokens(max_tokens: int | None) -> None:
     if max_tokens is not None and max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1 or None, got {max_tokens}")
-
-
-class Lane:
-    """A `BatchScheduler` seen as another engine's (`BatchScheduler.lane`): the same thread and steps."""
-
-    __slots__ = ("scheduler", "_lane")
-
-    def __init__(self, scheduler: BatchScheduler, lane: _Engine) -> None:
-        self.scheduler, self._lane = scheduler, lane
-
-    @property
-    def engine(self) -> TargetEngine:
-        return self._lane.engine
-
-    def submit(self, start: Callable[[], Rounds[T] | T], *, tokens: int = 0) -> Future[T]:
-        return self.scheduler.submit(start, tokens=tokens, _lane=self._lane)
-
-    def run(self, start: Callable[[], Rounds[T] | T], *, tokens: int = 0) -> T:
-        return self.scheduler.run(start, tokens=tokens, _lane=self._lane)
-
-    def cancel(self, future: Future) -> None:
-        self.scheduler.cancel(future)
-
-    def share(self) -> _Share:
-        return self.scheduler.share()
-
-    def calibrate(self) -> None:  # BatchScheduler.calibrate for this lane's engine (the thread may run others')
-        self.scheduler._calibrate(self._lane)
-
-    @property
-    def live(self) -> int:
-        return self.scheduler.live
-
-    def close(self) -> None:
-        """Nothing: the scheduler belongs to the model that made it."""
 
 
 __all__ = ["BatchScheduler", "Lane", "MAX_BATCH_ROWS", "PREFILL_CHUNK", "allocate"]
