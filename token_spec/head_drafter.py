@@ -41,6 +41,11 @@ from thinkahead.token_spec.verify import SamplingParams
 HEAD_DEPTH = 4  # head tokens per draft at most
 HEAD_MIN_PROB = 0.5  # a head token after the first is drafted only this likely (its own estimate)
 HEAD_LONG_MATCH = 8  # an inner draft from a context match this long or longer is taken over the head's
+# The head's guesses read this many of the target's first output rows (plus the context's ids): every guess is a pass
+# over them. Of the 1.5B's tokens in its answers to 200 GSM8K train problems, 2.2% are neither among the first 16384
+# ids nor in the context, against 1.2% for 32768 (the head's own vocabulary) and 4.8% for 8192; half the rows made the
+# README job's 3 chains of thought 1.4% faster.
+HEAD_OUTPUT_IDS = 16384
 
 
 @dataclass(slots=True)
@@ -95,12 +100,12 @@ class HeadDrafter:
 
     def __init__(self, head: DraftHead, embed: Callable[[torch.Tensor], torch.Tensor], output: torch.nn.Module,
                  vocab_size: int, inner: Any, *, depth: int = HEAD_DEPTH, min_prob: float = HEAD_MIN_PROB,
-                 long_match: int = HEAD_LONG_MATCH) -> None:
+                 long_match: int = HEAD_LONG_MATCH, output_ids: int = HEAD_OUTPUT_IDS) -> None:
         if depth < 1 or not 0.0 <= min_prob <= 1.0 or long_match < 1:
             raise ValueError(f"depth >= 1, min_prob in [0, 1] and long_match >= 1, got {depth}, {min_prob}, "
                              f"{long_match}")
         self.head, self.embed, self.inner = head, embed, inner
-        self.vocab = DraftVocab(output, vocab_size, head.vocab)
+        self.vocab = DraftVocab(output, vocab_size, min(head.vocab, output_ids))
         self.engine = HeadEngine(head, embed, self.vocab)
         self.depth, self.min_prob, self.long_match = depth, min_prob, long_match
         self._requests: dict[Hashable, HeadSession] = {}
