@@ -11,7 +11,8 @@ import torch
 pytest.importorskip("thinkahead.models.engine.kernels._layer_native")
 pytest.importorskip("thinkahead.models.engine.kernels._kquant_native")
 
-from thinkahead.models.engine.goodput import allocate, price_rows
+from thinkahead.models.engine.goodput import allocate
+from thinkahead.token_spec.pricing import price_rows
 from thinkahead.models.engine.scheduler import BatchScheduler
 from thinkahead.token_spec.controller import FixedController
 from thinkahead.token_spec.decoder import SpeculativeDecoder, plain_greedy

@@ -19,6 +19,7 @@ from typing import Protocol
 from thinkahead.token_spec.acceptance import moved_accept_rate
 from thinkahead.token_spec.names import MAX_DRAFT
 from thinkahead.token_spec.draft import Draft
+from thinkahead.token_spec.pricing import price_rows
 
 
 class SpeculationController(Protocol):
@@ -170,6 +171,11 @@ class AdaptiveController:
 
     def trim(self, draft: Draft) -> Draft:
         return draft.truncated(self.max_tokens)
+
+    def price(self, draft: Draft) -> Draft:
+        """A draft whose probs are its rows' worths (calibrated chances: `priced_drafts`), cut to the rows that
+        raise the expected tokens per second of its verify by the measured cost (pricing.price_rows)."""
+        return draft.truncated(price_rows([draft.probs[:self.max_tokens]], self.cost, 1, 1.0)[0])
 
     def update(self, proposed: int, accepted: int, fed: int | None = None, seconds: float | None = None) -> None:
         self.accept_rate = moved_accept_rate(self.accept_rate, proposed, accepted, self.smoothing)

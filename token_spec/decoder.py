@@ -25,7 +25,7 @@ from thinkahead.token_spec.draft import Draft
 from thinkahead.token_spec.drafters import Drafter
 from thinkahead.token_spec.engine import DraftShare, ForwardCall, Rounds, run_inline
 from thinkahead.token_spec.grammar import Constraint
-from thinkahead.token_spec.names import ACCEPT_PRIOR, HEAD_SOURCE, MODEL_DRAFT_SOURCE, common_prefix_len
+from thinkahead.token_spec.names import ACCEPT_PRIOR, HEAD_SOURCE, MAX_DRAFT, MODEL_DRAFT_SOURCE, common_prefix_len
 from thinkahead.token_spec.prefix_pool import KVPrefixPool
 from thinkahead.token_spec.stats import SpecStats
 from thinkahead.token_spec.verify import Acceptance, SamplingParams, path_logprobs, verify_greedy, verify_sampling
@@ -268,10 +268,13 @@ class SpeculativeDecoder:
         drafter, room = self.drafter, gen.room
         if drafter is None or room <= 0:
             return Draft(), None, 0
-        budget = min(self.controller.budget(), room)
-        if gen.share is not None:  # told the acceptance either way; a priced draft is cut by the scheduler instead
+        # A priced draft is asked for whole (the controller's most) and cut by its rows' worths: by the scheduler in a
+        # batch (ForwardCall.values), else by the controller's measured verify cost (`price`).
+        priced = self._priced(gen)
+        budget = min(getattr(self.controller, "max_tokens", MAX_DRAFT) if priced else self.controller.budget(), room)
+        if gen.share is not None:  # told the acceptance either way
             limit = gen.share.limit(gen.accept_rate)
-            budget = budget if self._priced(gen) else min(budget, limit)
+            budget = budget if priced else min(budget, limit)
         t0 = time.perf_counter()
         try:
             if gen.constraint is not None:
@@ -283,7 +286,10 @@ class SpeculativeDecoder:
                     draft = yield from drafter.propose_rounds(gen.rid, gen.context, budget)
                 else:
                     draft = drafter.propose(gen.rid, gen.context, budget)
-                return self.controller.trim(draft).truncated(room), None, 0
+                draft = self.controller.trim(draft).truncated(room)
+                if priced and gen.share is None and hasattr(self.controller, "price"):
+                    draft = self.controller.price(draft)
+                return draft, None, 0
             if drafter.model_free:
                 # Free to ask: see whether a draft would have hit, without verifying it (`probe` where asking
                 # `propose` is not free).
@@ -313,7 +319,7 @@ class SpeculativeDecoder:
         parents = [-1] + [p + 1 for p in draft.parents] if tree else None
         start = gen.session.length
         t0 = time.perf_counter()
-        values = list(draft.probs) if self._priced(gen) and len(draft) else None
+        values = list(draft.probs) if gen.share is not None and self._priced(gen) and len(draft) else None
         logits = yield ForwardCall(gen.session, tokens, parents, on_hidden=self._keep_rows(gen), values=values)
         if len(logits) < len(tokens):  # the scheduler verified the worthiest rows only (ForwardCall.values)
             draft, tokens = draft.truncated(len(logits) - 1), tokens[:len(logits)]
@@ -410,9 +416,9 @@ class SpeculativeDecoder:
                 self._tell_hidden(gen, 1 + rnd.acceptance.accepted[-1] if rnd.acceptance.accepted else 0)
 
     def _priced(self, gen: _Generation) -> bool:
-        """Whether its drafts go to the scheduler with each row's worth (`ForwardCall.values`): the drafter's node
-        values are calibrated worths (`priced_drafts`), and a scheduler prices rows."""
-        return gen.share is not None and gen.constraint is None and getattr(self.drafter, "priced_drafts", False)
+        """Whether its drafts are cut by their rows' worths: the drafter's node values are calibrated worths
+        (`priced_drafts`) and no grammar forces tokens."""
+        return gen.constraint is None and getattr(self.drafter, "priced_drafts", False)
 
     def _keep_rows(self, gen: _Generation) -> Callable[[torch.Tensor], None] | None:
         """Where the drafter reads the target's hidden states (`wants_hidden`): a callback that keeps a forward's."""

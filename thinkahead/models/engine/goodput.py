@@ -21,13 +21,13 @@ stays the engine's. An engine that was never calibrated falls back to `CostCurve
 from __future__ import annotations
 
 import bisect
-import heapq
 import itertools
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 from thinkahead.token_spec.controller import CostCurve, moving_average
+from thinkahead.token_spec.pricing import best_rows, chain_gains
 from thinkahead.token_spec.engine import TargetEngine
 from thinkahead.token_spec.names import MAX_DRAFT
 
@@ -47,7 +47,6 @@ COST_SMOOTHING = 0.25  # how far one step's measured time moves the curve's leve
 TRUST_DECAY = 0.95  # the share of the plan's record of expected and accepted draft tokens kept from step to step
 TRUST_PRIOR = 2.0  # draft tokens' worth of record that came true as expected, before any
 TRUST_MIN, TRUST_MAX = 0.1, 1.5  # the bounds of that trust (tree drafts can beat a chain's estimate)
-NEGLIGIBLE_GAIN = 1e-3  # a draft token expected to add fewer tokens than this is not weighed
 
 
 def allocate(accept_rates: list[float], cost: Callable[[int], float], most: int = MAX_DRAFT,
@@ -60,60 +59,8 @@ def allocate(accept_rates: list[float], cost: Callable[[int], float], most: int 
     a forward's first few and least in full tiles (see above), so a draft row that does not pay can be
     followed by a dozen that do. `trust` scales every draft token's expected gain (`Trust.factor`)."""
     rates = [min(max(a, 0.0), 0.999) for a in accept_rates]
-    gains = [_chain_gains(a * trust, a, most) for a in rates]
-    return _best_rows(gains, cost, len(rates), float(len(rates)), max_rows)
-
-
-def price_rows(worths: list[list[float]], cost: Callable[[int], float], rows: int, expected: float,
-               max_rows: int | None = None) -> list[int]:
-    """How many of each call's draft rows to verify: `worths[i]` holds call i's draft rows' worths (the tokens each
-    is expected to add, non-increasing: rows are kept from the first), beside `rows` rows that are verified anyway
-    and expected to commit `expected` tokens. The same choice as `allocate`: of every prefix of rows taken worthiest
-    first (up to `max_rows` rows in all), the one with the most expected tokens per second of forward."""
-    return _best_rows([_monotone(w) for w in worths], cost, rows, expected, max_rows)
-
-
-def _chain_gains(first: float, rate: float, most: int) -> Iterator[float]:
-    gain = first
-    for _ in range(most):
-        yield gain
-        gain *= rate
-
-
-def _monotone(worths: list[float]) -> Iterator[float]:
-    low = 1.0
-    for w in worths:
-        low = min(low, max(w, 0.0))
-        yield low
-
-
-def _best_rows(gains: list[Iterator[float]], cost: Callable[[int], float], rows: int, expected: float,
-               max_rows: int | None) -> list[int]:
-    """Rows taken one at a time, the next largest gain of any sequence first (each sequence's gains come in
-    non-increasing order); the count per sequence of the prefix with the most expected tokens per second."""
-    taken = [0] * len(gains)
-    if rows <= 0:
-        return taken
-    heap = []  # (minus a sequence's next gain, sequence)
-    for i, g in enumerate(gains):
-        first = next(g, 0.0)
-        if first >= NEGLIGIBLE_GAIN:
-            heap.append((-first, i))
-    heapq.heapify(heap)
-    best_rate, best, order = expected / cost(rows - 1), 0, []
-    while heap and (max_rows is None or rows < max_rows):
-        minus_gain, i = heapq.heappop(heap)
-        expected, rows = expected - minus_gain, rows + 1
-        order.append(i)
-        rate = expected / cost(rows - 1)
-        if rate > best_rate:
-            best_rate, best = rate, len(order)
-        following = next(gains[i], 0.0)
-        if following >= NEGLIGIBLE_GAIN:
-            heapq.heappush(heap, (-following, i))
-    for i in order[:best]:
-        taken[i] += 1
-    return taken
+    gains = [chain_gains(a * trust, a, most) for a in rates]
+    return best_rows(gains, cost, len(rates), float(len(rates)), max_rows)
 
 
 def measure_rows(engine: TargetEngine, rows: tuple[int, ...] = CALIBRATION_ROWS,

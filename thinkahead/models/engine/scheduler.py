@@ -42,11 +42,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from thinkahead.models.engine import calibration
-from thinkahead.models.engine.goodput import RowCost, Trust, allocate, measure_rows, price_rows
+from thinkahead.models.engine.goodput import RowCost, Trust, allocate, measure_rows
 from thinkahead.models.engine.lane import Lane
 from thinkahead.token_spec.engine import ForwardCall, Rounds, TargetEngine
 from thinkahead.token_spec.controller import moving_average
 from thinkahead.token_spec.names import ACCEPT_PRIOR, MAX_BATCH_ROWS, MAX_DRAFT, PREFILL_CHUNK
+from thinkahead.token_spec.pricing import price_rows
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
