@@ -241,6 +241,7 @@ def test_a_local_model_drafts_with_the_head_it_is_given_and_answers_as_plain_gre
     build = lambda drafter, **kw: LocalModel(model=gguf_native.build_model(tiny_gguf[0], tiny_config()),  # noqa: E731
                                               tokenizer=byte_tokenizer(), drafter=drafter, name="tiny", **kw)
     with_head, plain = build("head", head=path), build("none")
+    assert build("auto", head=path).drafter == "head" and build("auto").drafter == "combined"  # auto: a head if any
     requests = [GenerationRequest(prompt=f"Count: {i} {i} {i} {i}", max_new_tokens=20, temperature=0, stop=[])
                 for i in range(4)]
 

@@ -36,7 +36,11 @@ HEADS_DIR = Path(__file__).resolve().parent / "heads"  # the packaged draft head
 DRAFTER_KINDS = (*MODEL_FREE_KINDS, *MODEL_DRAFT_KINDS, HEAD_KIND, "none")
 
 
-AUTO_DRAFTER = "auto"  # the default: SOLO_DRAFTER, the best measured where runs are in flight (below)
+AUTO_DRAFTER = "auto"  # the default: HEAD_KIND where a head is packaged for the model, else SOLO_DRAFTER (below)
+# With a draft head: `head`, which drafts with `combined` beside it. Measured on a Xeon with AMX, 1.5B GGUF: one stream
+# (`bench/token_spec.py`) cot 26.7 tok/s against combined's 21.6, code 46.0 against 45.0, pipeline 28.7 against 29.1;
+# GSM8K chains of thought in flight (`bench/batching.py`) 39.3 against 35.9 (3 streams) and 66.9 against 61.1 (8),
+# plain decoding 36.0 and 64.2 (docs/results/token_spec_head.md, batching_head.md).
 # A model alone: the combined model-free drafter, the best model-free one measured (`bench/token_spec.py --dtype gguf`,
 # 1.5B, refine/cot/code/pipeline: 1.16-2.39x llama.cpp's plain decode; hybrid, the pair's, 1.16-2.35x).
 SOLO_DRAFTER = "combined"
@@ -49,10 +53,11 @@ DRAFTER_CHOICES = (AUTO_DRAFTER, *DRAFTER_KINDS)  # what a config or `--drafter`
 
 def resolve_drafter(kind: str, has_draft_model: bool, has_head: bool = False) -> str:
     """The drafter `kind` names for a model with (or without) a draft model beside it and a draft head for it:
-    `auto` is `SOLO_DRAFTER`; a kind that needs a draft model or a head and has none is a ValueError."""
+    `auto` is `HEAD_KIND` with a head, else `SOLO_DRAFTER`; a kind that needs a draft model or a head and has none is
+    a ValueError."""
     check_drafter(kind, DRAFTER_CHOICES)
     if kind == AUTO_DRAFTER:
-        return SOLO_DRAFTER
+        return HEAD_KIND if has_head else SOLO_DRAFTER
     if kind in MODEL_DRAFT_KINDS and not has_draft_model:
         raise ValueError(f"drafter {kind!r} needs a draft model: a small local model with the same tokenizer")
     if kind == HEAD_KIND and not has_head:

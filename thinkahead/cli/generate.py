@@ -132,7 +132,8 @@ def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
 @click.option("-m", "--model", default=default("small.spec"), show_default=True,
               help="Target model: a packaged name (thinkahead models list), gguf:PATH, hf:ID or a directory.")
 @click.option("--drafter", type=click.Choice(DRAFTER_CHOICES), default=default("small.drafter"), show_default=True,
-              help=f"Token drafter; auto: {SOLO_DRAFTER}; draft-model and hybrid need --draft-model.")
+              help=f"Token drafter; auto: {HEAD_KIND} where a draft head is packaged for the model, else {SOLO_DRAFTER}; "
+              "draft-model and hybrid need --draft-model.")
 @click.option("--draft-model", default=None, help="Small model with the target's tokenizer, for --drafter "
               "hybrid and draft-model.")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=256, show_default=True)

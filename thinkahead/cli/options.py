@@ -14,13 +14,13 @@ import click
 from thinkahead.config import default
 from thinkahead.models.engine.weights.load import DTYPES
 from thinkahead.step_spec.policies import JUDGES, POLICIES as POLICY_REGISTRY, POLICY_NAMES, REPAIRS
-from thinkahead.token_spec.names import DRAFTER_CHOICES, SOLO_DRAFTER
+from thinkahead.token_spec.names import DRAFTER_CHOICES, HEAD_KIND, SOLO_DRAFTER
 
 POLICIES = POLICY_NAMES  # the registry's policies for batch runs (run, bench, serve)
-DRAFTER_HELP = (f"The large model's token drafter: auto is {SOLO_DRAFTER} (model-free, the fastest measured with runs "
-                f"in flight); hybrid also drafts with the small model (faster one run at a time; the small model must "
-                f"be local and share the tokenizer); head drafts with the large model's packaged draft head (the "
-                f"fastest for chains of thought one or two at a time) [{default('large.drafter')}].")
+DRAFTER_HELP = (f"The large model's token drafter: auto is {HEAD_KIND} where a draft head is packaged for the model "
+                f"(its trained head beside {SOLO_DRAFTER}: the fastest measured, alone and with runs in flight), else "
+                f"{SOLO_DRAFTER} (model-free); hybrid also drafts with the small model (the small model must be local "
+                f"and share the tokenizer) [{default('large.drafter')}].")
 
 EXIT_OK, EXIT_RUNS_FAILED, EXIT_INPUT = 0, 1, 2  # docs/cli.md "Exit codes"
 

@@ -48,8 +48,8 @@ class LocalModel(LanguageModel):
             (`LocalModel(spec, dtype="gguf", drafter="suffix")`). An unknown or bad one is a ValueError naming it.
             dtype: "bfloat16", "float32", "int8" (batch-invariant int8 linears over the dequantized weights) or
             "gguf" (the GGUF file's own blocks, fastest on CPUs; GGUF models only); see models/engine/dtypes.py.
-            drafter: "auto" (the default) is "combined"; "hybrid" and "draft-model" need `draft`; "head" a draft
-            head (`head`, or the one packaged for `spec`).
+            drafter: "auto" (the default) is "head" where the model has a draft head (`head`, or the one packaged
+            for `spec`), else "combined"; "hybrid" and "draft-model" need `draft`.
             kv_live_tokens: the KV tokens live generations may reserve in all (each its prompt and
             `max_new_tokens`); more wait for room.
         draft: a smaller `LocalModel` with the same tokenizer that drafts tokens for this one (`hybrid`,
