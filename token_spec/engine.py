@@ -26,7 +26,7 @@ class ForwardCall:
     hidden states `[rows, hidden]` before they are sent back, where the engine has them (a draft head reads them:
     draft_head.py). An engine without them never calls it. `values`: the worth of each draft row (rows 1 on: the
     tokens each is expected to add, non-increasing) where a scheduler may verify only the first rows, those that
-    pay for their place in its forward (goodput.price_rows); the generation then gets fewer rows of logits than it
+    pay for their place in its forward (pricing.price_rows); the generation then gets fewer rows of logits than it
     sent tokens, and keeps that many."""
 
     session: Any

@@ -27,6 +27,8 @@ the shortest prompt left first, so one that joins beside a long prompt is not he
 per step). Speculation is sized by goodput (SmartSpec): after each forward the scheduler plans every sequence's
 next draft length from its acceptance rate and the measured cost of a forward by its rows (`goodput.allocate`),
 so it speculates where drafts hit and backs off as the batch fills; a sequence alone is left to its decoder's.
+A draft whose rows carry their worths (`ForwardCall.values`: calibrated chances, the draft head's) comes whole, and
+the step keeps, over all sequences, the rows that raise the forward's expected tokens per second (`_priced`).
 """
 
 from __future__ import annotations
@@ -423,7 +425,7 @@ class BatchScheduler:
 
     def _priced(self, lane: _Engine, decode: list[_Live]) -> list[ForwardCall]:
         """The decode calls, each with the draft rows that pay for their place in this step where it gives their
-        worths (`ForwardCall.values`; goodput.price_rows), the others whole (expected to add their sequence's
+        worths (`ForwardCall.values`; pricing.price_rows), the others whole (expected to add their sequence's
         acceptance rate, compounded)."""
         worths: list[list[float]] = []
         rows, expected = 0, 0.0
