@@ -134,3 +134,37 @@ def test_the_head_counts_only_the_nodes_the_target_verified(engine) -> None:
     drafter.observe("r", [draft.token_ids[0], (draft.token_ids[1] + 1) % VOCAB], verified)
     counted = {key: n_rate for (key, _), n_rate in drafter.calibration.rates().items()}
     assert counted == {("head", 1): (1, 1.0), ("head", 2): (1, 0.0)}
+
+
+# ------------------------------------------------------------------ load work off the caller's thread
+
+
+def _os_threads() -> int:
+    import os
+
+    return len(os.listdir("/proc/self/task"))
+
+
+def test_load_work_on_its_own_thread_leaves_no_openmp_workers_behind_and_raises_what_it_raised() -> None:
+    import threading
+
+    from thinkahead.models.engine.threads import on_own_thread
+
+    if torch.get_num_threads() < 2 or not __import__("os").path.isdir("/proc/self/task"):
+        pytest.skip("needs torch's intra-op threads and /proc")
+    counts: dict[str, int] = {}
+
+    def fresh_thread() -> None:  # a thread with no OpenMP team yet, as a program's main thread after loading
+        before = _os_threads()
+        total = on_own_thread(lambda: float(torch.ones(4_000_000).sum()))
+        counts["own"] = _os_threads() - before
+        assert total == 4_000_000.0
+        torch.ones(4_000_000).sum()  # the same work here: this thread keeps a team, and its workers stay
+        counts["here"] = _os_threads() - before
+
+    worker = threading.Thread(target=fresh_thread)
+    worker.start()
+    worker.join()
+    assert counts == {"own": 0, "here": counts["here"]} and counts["here"] >= 1
+    with pytest.raises(ValueError, match="bad head"):
+        on_own_thread(lambda: (_ for _ in ()).throw(ValueError("bad head")))

@@ -25,6 +25,7 @@ from thinkahead.models.streaming import TextPiece, TextStream
 from thinkahead.models.templates import repair_chat_template
 from thinkahead.models.engine.config import KV_LIVE_SHARE, KV_MEMORY_SHARE, EngineConfig, scheduler_conflicts
 from thinkahead.models.engine.scheduler import BatchScheduler, Lane
+from thinkahead.models.engine.threads import on_own_thread
 from thinkahead.token_spec.draft_head import find_head
 from thinkahead.token_spec.engine import ForwardCall, Rounds
 from thinkahead.token_spec.grammar import GRAMMAR_KINDS, GrammarSpec, TokenGrammar
@@ -119,10 +120,9 @@ class LocalModel(LanguageModel):
         common = dict(tokenizer=tokenizer, cache=self.suffix_cache, max_draft=config.max_draft,
                       prefix_pool=self.prefix_pool)
         draft_engine = self.draft.engine if self.draft is not None else None
-        self._speculative = build_decoder(drafter, self.engine, draft_engine=draft_engine,
-                                          draft_head=find_head(head, spec, model.config.hidden_size, self.name)
-                                          if drafter == HEAD_KIND else None,
-                                          **common)
+        self._speculative = on_own_thread(lambda: build_decoder(  # a head's torch work: engine/threads.py
+            drafter, self.engine, draft_engine=draft_engine, **common,
+            draft_head=find_head(head, spec, model.config.hidden_size, self.name) if drafter == HEAD_KIND else None))
         self._plain = build_decoder("none", self.engine, **common)
         self.stop_token_ids = self._stop_token_ids()
         self.grammars = TokenGrammar(tokenizer, _vocab_size(model, tokenizer), self.stop_token_ids)
@@ -134,7 +134,7 @@ class LocalModel(LanguageModel):
                            prefill_chunk=config.prefill_chunk) if self.draft is None
             else self.draft.scheduler.lane(self.engine, max_tokens=live))
         if spec is not None:  # measured (once per machine) while nothing else runs, or read from the store
-            self.scheduler.calibrate()
+            on_own_thread(self.scheduler.calibrate)  # its forwards: engine/threads.py
         self.recorder = TokenRecorder(record) if record is not None else None  # for `thinkahead simulate`
 
     # ------------------------------------------------------------------ LanguageModel
