@@ -139,32 +139,35 @@ def test_the_head_counts_only_the_nodes_the_target_verified(engine) -> None:
 # ------------------------------------------------------------------ load work off the caller's thread
 
 
-def _os_threads() -> int:
-    import os
-
-    return len(os.listdir("/proc/self/task"))
+CHECK_THREADS = """
+import os, time, torch
+from thinkahead.models.engine.threads import on_own_thread
+count = lambda: len(os.listdir("/proc/self/task"))
+before = count()
+assert on_own_thread(lambda: float(torch.ones(4_000_000).sum())) == 4_000_000.0
+for _ in range(200):  # its OpenMP workers end after their thread: give them a moment
+    if count() == before:
+        break
+    time.sleep(0.01)
+own = count() - before
+torch.ones(4_000_000).sum()  # the same work on this thread: it keeps a team, and the team's workers stay
+print(own, count() - before)
+"""
 
 
 def test_load_work_on_its_own_thread_leaves_no_openmp_workers_behind_and_raises_what_it_raised() -> None:
-    import threading
+    import os
+    import subprocess
+    import sys
 
     from thinkahead.models.engine.threads import on_own_thread
 
-    if torch.get_num_threads() < 2 or not __import__("os").path.isdir("/proc/self/task"):
+    if torch.get_num_threads() < 2 or not os.path.isdir("/proc/self/task"):
         pytest.skip("needs torch's intra-op threads and /proc")
-    counts: dict[str, int] = {}
-
-    def fresh_thread() -> None:  # a thread with no OpenMP team yet, as a program's main thread after loading
-        before = _os_threads()
-        total = on_own_thread(lambda: float(torch.ones(4_000_000).sum()))
-        counts["own"] = _os_threads() - before
-        assert total == 4_000_000.0
-        torch.ones(4_000_000).sum()  # the same work here: this thread keeps a team, and its workers stay
-        counts["here"] = _os_threads() - before
-
-    worker = threading.Thread(target=fresh_thread)
-    worker.start()
-    worker.join()
-    assert counts == {"own": 0, "here": counts["here"]} and counts["here"] >= 1
+    # a process of its own: this one's thread count moves with other tests' threads
+    out = subprocess.run([sys.executable, "-c", CHECK_THREADS], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    own, here = map(int, out.stdout.split())
+    assert own == 0 and here >= 1
     with pytest.raises(ValueError, match="bad head"):
         on_own_thread(lambda: (_ for _ in ()).throw(ValueError("bad head")))
