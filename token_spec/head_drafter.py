@@ -12,6 +12,10 @@ it kept (`observe_hidden`, where the engine gives hidden states: `ForwardCall.on
   node its own value, a node both propose their noisy-or). Where the inner draft copies code or a template the
   head's guesses lose to it; in a chain of thought they win.
 
+Every node's worth is calibrated (`ValueCalibration`, by kind of estimate and depth: what the nodes given such an
+estimate came to, counted in `observe` over the nodes the target verified), so a draft's probs are the chances its
+rows hold (`priced_drafts`): the decoder and the scheduler keep the rows that pay for their place in the forward.
+
 Without a hidden state for this context (the first round after a prompt read from the prefix pool, tokens a grammar
 forced, an engine without hidden states) the inner drafter drafts alone. Drafts never change what is generated:
 the target verifies every token.
@@ -48,6 +52,9 @@ HEAD_LONG_MATCH = 8  # an inner draft from a context match this long or longer i
 HEAD_OUTPUT_IDS = 16384
 
 
+Pending = tuple[tuple[str, int], float, tuple[int, ...]]  # a drafted node: its calibration key, estimate and path
+
+
 @dataclass(slots=True)
 class HeadSession:
     """One sequence's place in the head's chain: the feature the next guess reads, and the ids it picks among."""
@@ -55,7 +62,7 @@ class HeadSession:
     vocab: RequestVocab
     feature: torch.Tensor | None = None  # [hidden]: the target's hidden state, then the head's features
     at: int = -1  # the context length the target's hidden state belongs to
-    pending: list = field(default_factory=list)  # (calibration key, estimate, path) of each node of its last draft
+    pending: list[Pending] = field(default_factory=list)  # each node of its last draft, for `observe`
 
 
 class HeadEngine:
@@ -157,7 +164,7 @@ class HeadDrafter:
             merged.source = inner.source  # the inner draft won every place: the round is its
         return merged
 
-    def _worth(self, request: HeadSession, draft: Draft, kind: str, keep: list | None = None) -> Draft:
+    def _worth(self, request: HeadSession, draft: Draft, kind: str, keep: list[Pending] | None = None) -> Draft:
         """`draft` with its nodes' estimates turned into calibrated worths (`calibration`, by `kind` and depth, up to
         3); each node is kept in `request.pending` (after `keep`) so `observe` can count what became of it."""
         depth: list[int] = []
