@@ -136,3 +136,42 @@ def test_a_draft_model_with_another_tokenizer(paths) -> None:
                    drafter="draft-model")
     with pytest.raises(ValueError, match="draft must be a LocalModel"):
         LocalModel(model=gguf_native.build_model(paths[0], tiny_config()), tokenizer=byte_tokenizer(), draft="small")
+
+
+def test_a_pair_that_does_not_draft_together_still_runs_on_one_thread_and_each_answers_as_alone(paths) -> None:
+    import asyncio
+
+    small = build(paths[1], "small-own")
+    large = build(paths[0], "large-guest", thread_of=small)  # as load_pair builds a local pair
+    assert large.drafter == "combined" and large.draft is None
+    assert large.scheduler.scheduler is small.scheduler  # one thread, one OpenMP team (engine/threads.py)
+    apart = build(paths[0], "large-apart", prefill_chunk=32, thread_of=small)  # other batching: a thread of its own
+    assert isinstance(apart.scheduler, BatchScheduler)
+    want_large = [build(paths[0], "ref-large").generate_sync(request(q)).token_ids for q in QUESTIONS[:3]]
+    want_small = [build(paths[1], "ref-small").generate_sync(request(q)).token_ids for q in QUESTIONS[3:]]
+
+    async def together():
+        return await asyncio.gather(*(large.generate(request(q)) for q in QUESTIONS[:3]),
+                                    *(small.generate(request(q)) for q in QUESTIONS[3:]))
+
+    got = [c.token_ids for c in asyncio.run(together())]
+    assert got == want_large + want_small
+    with pytest.raises(ValueError, match="thread_of must be a LocalModel"):
+        build(paths[0], "bad", thread_of="small")
+
+
+def test_load_pair_puts_a_local_large_model_on_the_small_ones_thread(paths, monkeypatch) -> None:
+    from thinkahead.models import loader
+
+    small, calls = build(paths[1], "small-host"), []
+
+    def load_model(spec, **options):
+        calls.append((spec, options))
+        return spec if isinstance(spec, LocalModel) else None
+
+    monkeypatch.setattr(loader, "load_model", load_model)
+    loader.load_pair(small, "qwen2.5-coder-1.5b", {}, {})
+    loader.load_pair(small, "qwen2.5-coder-1.5b", {}, {"drafter": "hybrid"})
+    loader.load_pair(small, "openai:m@http://127.0.0.1:9/v1", {}, {})
+    assert [options for spec, options in calls if spec != small] == [
+        {"thread_of": small}, {"drafter": "hybrid", "draft": small}, {}]

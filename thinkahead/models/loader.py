@@ -103,6 +103,8 @@ def load_pair(small: str | LanguageModel, large: str | LanguageModel, small_opti
     local_pair = isinstance(small_model, LocalModel) and not large.strip().startswith(REMOTE_PREFIXES)
     if drafter in MODEL_DRAFT_KINDS and local_pair:
         large_options["draft"] = small_model  # LocalModel checks it (its tokenizer, that it drafts alone)
+    elif local_pair:  # one scheduler thread for both (LocalModel(thread_of=): a second thread slows both)
+        large_options.setdefault("thread_of", small_model)
     return small_model, load_model(large, **large_options)
 
 
@@ -113,7 +115,7 @@ def load_model(spec: str | LanguageModel, **options: Any) -> LanguageModel:
     spec = check_model_spec(spec)  # a precise error for a bad spec before any weights load
     from thinkahead.models.engine.config import ENGINE_SETTINGS
 
-    remote_options = {k: v for k, v in options.items() if k not in (*ENGINE_SETTINGS, "draft")}  # local only
+    remote_options = {k: v for k, v in options.items() if k not in (*ENGINE_SETTINGS, "draft", "thread_of")}  # local
     if spec.startswith("openai:"):
         from thinkahead.models.openai import OpenAIModel
 
