@@ -27,6 +27,7 @@ from thinkahead.token_spec.engine import DraftShare, ForwardCall, Rounds, run_in
 from thinkahead.token_spec.grammar import Constraint
 from thinkahead.token_spec.names import ACCEPT_PRIOR, HEAD_SOURCE, MAX_DRAFT, MODEL_DRAFT_SOURCE, common_prefix_len
 from thinkahead.token_spec.prefix_pool import KVPrefixPool
+from thinkahead.token_spec.pricing import chain_expected
 from thinkahead.token_spec.stats import SpecStats
 from thinkahead.token_spec.verify import Acceptance, SamplingParams, path_logprobs, verify_greedy, verify_sampling
 
@@ -268,8 +269,8 @@ class SpeculativeDecoder:
         drafter, room = self.drafter, gen.room
         if drafter is None or room <= 0:
             return Draft(), None, 0
-        # A priced draft is cut by its rows' worths (ForwardCall.values; `price` with no scheduler); asked for whole only
-        # alone (in a batch whole, 3 chains of thought of the 1.5B ran 8% slower: 40 against 43 tok/s).
+        # A priced draft is cut by its rows' worths (ForwardCall.values; `price` with no scheduler); asked for whole
+        # only alone (in a batch whole, 3 chains of thought of the 1.5B ran 8% slower: 40 against 43 tok/s).
         priced = self._priced(gen)
         whole = priced and (gen.share is None or gen.share.alone)
         budget = min(getattr(self.controller, "max_tokens", MAX_DRAFT) if whole else self.controller.budget(), room)
@@ -374,8 +375,7 @@ class SpeculativeDecoder:
         stats.grammar_forced_drafts += rnd.forced
         if gen.share is not None and len(rnd.draft) and not gen.share.alone and not self._priced(gen):
             # the plan sized it: say how it went
-            a = min(gen.accept_rate, 0.999)
-            gen.share.verified(a * (1 - a ** len(rnd.draft)) / (1 - a), accepted)
+            gen.share.verified(chain_expected(gen.accept_rate, len(rnd.draft)), accepted)
         gen.accept_rate = moved_accept_rate(gen.accept_rate, len(rnd.draft), accepted)
         if gen.share is None or gen.share.alone:  # a shared forward's time is not this round's verify cost
             self.controller.update(len(rnd.draft), accepted, rnd.fed, rnd.forward_s)

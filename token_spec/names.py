@@ -38,9 +38,9 @@ DRAFTER_KINDS = (*MODEL_FREE_KINDS, *MODEL_DRAFT_KINDS, HEAD_KIND, "none")
 
 AUTO_DRAFTER = "auto"  # the default: HEAD_KIND where a head is packaged for the model, else SOLO_DRAFTER (below)
 # With a draft head: `head`, which drafts with `combined` beside it. Measured on a Xeon with AMX, 1.5B GGUF: one stream
-# (`bench/token_spec.py`) cot 26.7 tok/s against combined's 21.6, code 46.0 against 45.0, pipeline 28.7 against 29.1;
-# GSM8K chains of thought in flight (`bench/batching.py`) 39.3 against 35.9 (3 streams) and 66.9 against 61.1 (8),
-# plain decoding 36.0 and 64.2 (docs/results/token_spec_head.md, batching_head.md).
+# (`bench/token_spec.py`) cot 26.4 tok/s against combined's 21.0, code 47.1 against 45.0, pipeline 28.4 against 28.9;
+# GSM8K chains of thought in flight (`bench/batching.py`) 41.1 against 35.8 (3 streams) and 68.1 against 60.6 (8),
+# plain decoding 35.9 and 61.4 (docs/results/token_spec_head.md, batching_head.md).
 # A model alone: the combined model-free drafter, the best model-free one measured (`bench/token_spec.py --dtype gguf`,
 # 1.5B, refine/cot/code/pipeline: 1.16-2.39x llama.cpp's plain decode; hybrid, the pair's, 1.16-2.35x).
 SOLO_DRAFTER = "combined"

@@ -26,6 +26,12 @@ def price_rows(worths: list[list[float]], cost: Callable[[int], float], rows: in
     return best_rows([monotone(w) for w in worths], cost, rows, expected, max_rows)
 
 
+def chain_expected(rate: float, drafted: int) -> float:
+    """The draft tokens a chain of `drafted` at acceptance rate `rate` is expected to keep: rate + ... + rate^drafted."""
+    a = min(max(rate, 0.0), 0.999)
+    return a * (1 - a ** drafted) / (1 - a)
+
+
 def chain_gains(first: float, rate: float, most: int) -> Iterator[float]:
     gain = first
     for _ in range(most):

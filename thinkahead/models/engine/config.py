@@ -29,10 +29,9 @@ class EngineConfig(BaseModel, extra="forbid", frozen=True):
 
     dtype: str = Field(default=DEFAULT_DTYPE, description="auto (gguf for GGUF files the native kernel runs, else "
                        "int8), gguf, int8, bfloat16 or float32 (engine/dtypes.py)")
-    drafter: str = Field(default=AUTO_DRAFTER, description="token drafter: auto (head where a draft head is packaged for the model, else "
-                         "combined) or a named one; "
-                         "hybrid/draft-model (a large model) draft with the small local model; head with the model's "
-                         "packaged draft head")
+    drafter: str = Field(default=AUTO_DRAFTER, description="token drafter: auto (head where a draft head is packaged "
+                         "for the model, else combined) or a named one; hybrid/draft-model (a large model) draft with "
+                         "the small local model; head with the model's packaged draft head")
     max_draft: int = Field(default=MAX_DRAFT, gt=0, description="draft tokens per verify round at most")
     kv_sessions: int = Field(default=KV_SESSIONS, gt=0, description="finished generations whose KV is kept for "
                              "prefix reuse")

@@ -49,7 +49,7 @@ from thinkahead.models.engine.lane import Lane
 from thinkahead.token_spec.engine import ForwardCall, Rounds, TargetEngine
 from thinkahead.token_spec.controller import moving_average
 from thinkahead.token_spec.names import ACCEPT_PRIOR, MAX_BATCH_ROWS, MAX_DRAFT, PREFILL_CHUNK
-from thinkahead.token_spec.pricing import price_rows
+from thinkahead.token_spec.pricing import chain_expected, price_rows
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -430,10 +430,10 @@ class BatchScheduler:
         worths: list[list[float]] = []
         rows, expected = 0, 0.0
         for item in decode:
-            call, a = item.call, min(item.accept, 0.999)
+            call = item.call
             if call.values is None:
                 drafted = len(call.token_ids) - 1
-                rows, expected = rows + drafted + 1, expected + 1 + a * (1 - a ** drafted) / (1 - a)
+                rows, expected = rows + drafted + 1, expected + 1 + chain_expected(item.accept, drafted)
             else:
                 rows, expected = rows + 1, expected + 1
             worths.append([] if call.values is None else call.values[:len(call.token_ids) - 1])
