@@ -31,6 +31,7 @@ from thinkahead.models.base import GenerationRequest
 from thinkahead.token_spec.controller import FixedController
 from thinkahead.token_spec.decoder import SpeculativeDecoder
 from thinkahead.token_spec.presets import build_decoder
+from thinkahead.token_spec.value_calibration import CalibratedDrafter
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -46,11 +47,14 @@ def use_arm(model: LocalModel, arm: str) -> None:
     model.prefix_pool.clear()
     common = dict(tokenizer=model.tokenizer, cache=model.suffix_cache, prefix_pool=model.prefix_pool)
     decoder = build_decoder("suffix", model.engine, **common)
-    if arm != "adaptive":
+    if arm == "priced":
+        decoder = SpeculativeDecoder(model.engine, CalibratedDrafter(decoder.drafter), decoder.controller,
+                                     model.tokenizer, prefix_pool=model.prefix_pool)
+    elif arm != "adaptive":
         decoder = SpeculativeDecoder(model.engine, decoder.drafter, FixedController(int(arm.split("-")[1])),
                                      model.tokenizer, prefix_pool=model.prefix_pool)
     model._speculative = decoder
-    model.scheduler.goodput = arm == "adaptive"
+    model.scheduler.goodput = arm in ("adaptive", "priced")
 
 
 async def together(model: LocalModel, requests: list[GenerationRequest]) -> tuple[int, float]:
@@ -65,11 +69,12 @@ def main() -> None:
     parser.add_argument("--streams", default="1,2,4,8,16")
     parser.add_argument("--fixed", default="0,2,4,8,16")
     parser.add_argument("--tokens", type=int, default=96)
+    parser.add_argument("--extra", default="", help="more arms, e.g. priced")
     parser.add_argument("--tolerance", type=float, default=0.05, help="adaptive within this share of the best")
     parser.add_argument("--out", type=Path, default=RESULTS / "goodput_sweep.json")
     args = parser.parse_args()
     streams = [int(s) for s in args.streams.split(",")]
-    arms = [f"fixed-{k}" for k in args.fixed.split(",")] + ["adaptive"]
+    arms = [f"fixed-{k}" for k in args.fixed.split(",")] + ["adaptive"] + [a for a in args.extra.split(",") if a]
     questions = [r["question"] for r in gsm8k("test")[400:400 + max(streams)]]
     load = os.getloadavg()
     model = LocalModel(args.model, dtype="gguf", drafter="suffix")
@@ -90,7 +95,7 @@ def main() -> None:
              "| streams | " + " | ".join(arms) + " | adaptive / best fixed |",
              "|---:|" + "---:|" * (len(arms) + 1)]
     for n in streams:
-        best = max(rates[a][n] for a in arms if a != "adaptive")
+        best = max(rates[a][n] for a in arms if a.startswith("fixed"))
         lines.append(f"| {n} | " + " | ".join(f"{rates[a][n]:.1f}" for a in arms) +
                      f" | {rates['adaptive'][n] / best:.2f}x |")
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")

@@ -39,20 +39,16 @@ from thinkahead.token_spec.engine import ForwardCall, Rounds, run_inline
 from thinkahead.token_spec.draft_head import DraftHead
 from thinkahead.token_spec.draft_vocab import DraftVocab, RequestVocab
 from thinkahead.token_spec.names import HEAD_SOURCE
-from thinkahead.token_spec.value_calibration import ValueCalibration
+from thinkahead.token_spec.value_calibration import COPY_MATCH, Pending, ValueCalibration
 from thinkahead.token_spec.verify import SamplingParams
 
 HEAD_DEPTH = 4  # head tokens per draft at most
 HEAD_MIN_PROB = 0.5  # a head token after the first is drafted only this likely (its own estimate)
-HEAD_LONG_MATCH = 8  # an inner draft from a context match this long or longer is taken over the head's
 # The head's guesses read this many of the target's first output rows (plus the context's ids): every guess is a pass
 # over them. Of the 1.5B's tokens in its answers to 200 GSM8K train problems, 2.2% are neither among the first 16384
 # ids nor in the context, against 1.2% for 32768 (the head's own vocabulary) and 4.8% for 8192; half the rows made the
 # README job's 3 chains of thought 1.4% faster.
 HEAD_OUTPUT_IDS = 16384
-
-
-Pending = tuple[tuple[str, int], float, tuple[int, ...]]  # a drafted node: its calibration key, estimate and path
 
 
 @dataclass(slots=True)
@@ -107,7 +103,7 @@ class HeadDrafter:
 
     def __init__(self, head: DraftHead, embed: Callable[[torch.Tensor], torch.Tensor], output: torch.nn.Module,
                  vocab_size: int, inner: Any, *, depth: int = HEAD_DEPTH, min_prob: float = HEAD_MIN_PROB,
-                 long_match: int = HEAD_LONG_MATCH, output_ids: int = HEAD_OUTPUT_IDS) -> None:
+                 long_match: int = COPY_MATCH, output_ids: int = HEAD_OUTPUT_IDS) -> None:
         if depth < 1 or not 0.0 <= min_prob <= 1.0 or long_match < 1:
             raise ValueError(f"depth >= 1, min_prob in [0, 1] and long_match >= 1, got {depth}, {min_prob}, "
                              f"{long_match}")
@@ -141,7 +137,9 @@ class HeadDrafter:
         inner = self.inner.propose(rid, context, budget)
         if budget <= 0 or request is None:
             return inner
-        inner = self._worth(request, inner, "copy" if inner.match_len >= self.long_match else "inner")
+        request.pending = []
+        inner = self.calibration.worths(inner, "copy" if inner.match_len >= self.long_match else "inner",
+                                        request.pending)
         if request.feature is None or request.at != len(context) or inner.match_len >= self.long_match:
             return inner
         guess = HeadSession(request.vocab, request.feature)  # the guesses move its feature, not the request's
@@ -156,26 +154,13 @@ class HeadDrafter:
             token = int(request.vocab.ids[int(j)])
             tokens.append(token)
             path.append(float(prob) * (path[-1] if path else 1.0))
-        chain = self._worth(request, Draft.chain(tokens, path), "head", keep=request.pending)
+        chain = self.calibration.worths(Draft.chain(tokens, path), "head", request.pending)
         if inner.score >= chain.score:  # it expects as many accepted tokens as the head's chain: a copy, keep it whole
             return inner
         merged = merge_drafts([(chain, 1.0), (inner, 1.0)], budget, source=HEAD_SOURCE)
         if all(merged.token_ids[i] != tokens[0] for i, p in enumerate(merged.parents) if p < 0):
             merged.source = inner.source  # the inner draft won every place: the round is its
         return merged
-
-    def _worth(self, request: HeadSession, draft: Draft, kind: str, keep: list[Pending] | None = None) -> Draft:
-        """`draft` with its nodes' estimates turned into calibrated worths (`calibration`, by `kind` and depth, up to
-        3); each node is kept in `request.pending` (after `keep`) so `observe` can count what became of it."""
-        depth: list[int] = []
-        pending, probs = list(keep or ()), []
-        for path, parent, estimate in zip(draft.paths(), draft.parents, draft.probs):
-            depth.append(1 if parent < 0 else depth[parent] + 1)
-            key = (kind, min(depth[-1], 3))
-            pending.append((key, estimate, path))
-            probs.append(self.calibration(key, estimate))
-        request.pending = pending
-        return replace(draft, probs=probs, score=sum(probs))
 
     def probe(self, rid: Hashable, context: Sequence[int], budget: int) -> Draft:
         """A draft the decoder checks without verifying it (a round with no room): the inner drafter's, free to
@@ -188,10 +173,7 @@ class HeadDrafter:
         if request is None:
             return
         request.vocab.add(accepted)
-        verified, kept = set(proposed.paths()), tuple(accepted[:-1])  # the last token is the target's own
-        for key, estimate, path in request.pending:  # each node the target saw: was it kept?
-            if path in verified:
-                self.calibration.record(key, estimate, kept[:len(path)] == path)
+        self.calibration.count(request.pending, accepted, proposed)
         request.pending = []
 
     def finish(self, rid: Hashable) -> None:

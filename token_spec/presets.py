@@ -19,6 +19,7 @@ from thinkahead.token_spec.drafters import (
     SuffixDrafter,
 )
 from thinkahead.token_spec.suffix_cache import SuffixCache
+from thinkahead.token_spec.value_calibration import CalibratedDrafter
 
 if TYPE_CHECKING:  # the decoder, its controllers and KV pool only where one is built: `simulate` needs none
     from thinkahead.token_spec.decoder import SpeculativeDecoder
@@ -86,9 +87,13 @@ def build_decoder(
     if kind == HEAD_KIND and draft_head is None:
         raise ValueError(f"drafter {kind!r} needs a draft head trained for the model")
     cache = cache if cache is not None else SuffixCache()
-    if kind in MODEL_FREE_KINDS:
-        drafter = model_free_drafter(kind, cache)
-        controller = MatchLengthController(max_draft) if kind == "suffix-tree" else AdaptiveController(max_draft)
+    if kind == "suffix-tree":  # SuffixDecoding as published: the draft length follows the match length
+        drafter, controller = model_free_drafter(kind, cache), MatchLengthController(max_draft)
+    elif kind in MODEL_FREE_KINDS:
+        # calibrated worths: the decoder and the scheduler keep the rows that pay (goodput per row; at 2-8 copy
+        # streams of the 1.5B, 1.02-1.04x the best fixed draft length, where sizing chains by an acceptance
+        # rate gave 0.94-1.00x: docs/results/goodput_sweep.md)
+        drafter, controller = CalibratedDrafter(model_free_drafter(kind, cache)), AdaptiveController(max_draft)
     elif kind == "draft-model":
         drafter = small_model_drafter(draft_engine)
         controller = FixedController(min(max_draft, MODEL_DRAFT_TOKENS))

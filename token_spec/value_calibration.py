@@ -12,11 +12,29 @@ once many are. The counts halve past `CALIBRATION_MEMORY` tokens, so the rates f
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
+from dataclasses import replace
+from typing import Any
+
+from thinkahead.token_spec.draft import Draft
 
 CALIBRATION_BUCKETS = 10  # the estimate's range [0, 1] in this many equal parts, each with its own count
 CALIBRATION_PRIOR = 8.0  # tokens' worth of belief in the estimate itself, per part
 CALIBRATION_MEMORY = 512  # a part's count halves when it passes this many tokens
+# A node's depth in its draft, as the calibration keys it: 1, 2, 3, 4, then up to 8, 16 and beyond (a copied chain's
+# nodes far down are less sure than its first, whatever the drafter's estimate says).
+CALIBRATION_DEPTHS = (1, 2, 3, 4, 8, 16)
+COPY_MATCH = 8  # a model-free draft from a context match this long or longer is a copy (its own calibration kind)
+
+Pending = tuple[tuple[Hashable, int], float, tuple[int, ...]]  # a drafted node: its calibration key, estimate and path
+
+
+def depth_key(depth: int) -> int:
+    """The calibration's depth key of a node `depth` tokens after the context (CALIBRATION_DEPTHS)."""
+    for bound in CALIBRATION_DEPTHS:
+        if depth <= bound:
+            return bound
+    return CALIBRATION_DEPTHS[-1] + 1
 
 
 class ValueCalibration:
@@ -49,6 +67,68 @@ class ValueCalibration:
             count[0] *= 0.5
             count[1] *= 0.5
 
+    def worths(self, draft: Draft, kind: Hashable, pending: list[Pending]) -> Draft:
+        """`draft` with its nodes' estimates turned into calibrated worths (by `kind` and depth); each node is
+        appended to `pending`, for `count` to learn what became of it."""
+        depth: list[int] = []
+        probs = []
+        for path, parent, estimate in zip(draft.paths(), draft.parents, draft.probs):
+            depth.append(1 if parent < 0 else depth[parent] + 1)
+            key = (kind, depth_key(depth[-1]))
+            pending.append((key, estimate, path))
+            probs.append(self(key, estimate))
+        return replace(draft, probs=probs, score=sum(probs))
+
+    def count(self, pending: list[Pending], accepted: Sequence[int], verified: Draft) -> None:
+        """Record each pending node the target verified (those in `verified`, a draft the scheduler may have cut):
+        kept or not, by `accepted` (the round's tokens: the kept drafts, then the target's own)."""
+        paths, kept = set(verified.paths()), tuple(accepted[:-1])
+        for key, estimate, path in pending:
+            if path in paths:
+                self.record(key, estimate, kept[:len(path)] == path)
+
     def rates(self) -> dict[tuple[Hashable, int], tuple[int, float]]:
         """(key, part) -> (tokens counted, their accepted share), for logs and tests."""
         return {k: (round(c[0]), c[1] / c[0]) for k, c in self._counts.items() if c[0] > 0}
+
+
+class CalibratedDrafter:
+    """A model-free drafter whose drafts carry calibrated worths (`priced_drafts`): the decoder and the scheduler
+    keep the rows that pay for their place in the forward. Its estimates are keyed "copy" (a match of COPY_MATCH
+    tokens or more) or "match", by depth; counted over every request's verified nodes."""
+
+    model_free = True
+    priced_drafts = True
+
+    def __init__(self, inner: Any) -> None:
+        if not getattr(inner, "model_free", False):
+            raise ValueError(f"only a model-free drafter's drafts are calibrated, got {type(inner).__name__}")
+        self.inner = inner
+        self.name = getattr(inner, "name", type(inner).__name__)
+        self.calibration = ValueCalibration()
+        self._pending: dict[Hashable, list[Pending]] = {}
+
+    def start(self, rid: Hashable, prompt_ids: Sequence[int], params: Any, session_id: Hashable | None = None) -> None:
+        self.inner.start(rid, prompt_ids, params, session_id=session_id)
+        self._pending[rid] = []
+
+    def propose(self, rid: Hashable, context: Sequence[int], budget: int) -> Draft:
+        draft = self.inner.propose(rid, context, budget)
+        pending: list[Pending] = []
+        if rid in self._pending:
+            self._pending[rid] = pending
+        return self.calibration.worths(draft, "copy" if draft.match_len >= COPY_MATCH else "match", pending)
+
+    def probe(self, rid: Hashable, context: Sequence[int], budget: int) -> Draft:
+        return getattr(self.inner, "probe", self.inner.propose)(rid, context, budget)
+
+    def observe(self, rid: Hashable, accepted: Sequence[int], proposed: Draft) -> None:
+        self.inner.observe(rid, accepted, proposed)
+        pending = self._pending.get(rid)
+        if pending:
+            self.calibration.count(pending, accepted, proposed)
+            self._pending[rid] = []
+
+    def finish(self, rid: Hashable) -> None:
+        self.inner.finish(rid)
+        self._pending.pop(rid, None)
