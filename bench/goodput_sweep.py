@@ -1,12 +1,15 @@
 """Goodput-sized speculation against fixed draft lengths, by load (issue 34's sweep).
 
-N concurrent greedy "copy this text" requests (each a different GSM8K test question to copy word for word:
-drafts from the prompt hit often) to one `LocalModel` (dtype gguf), for N in `--streams`, under each arm:
+The same greedy "copy this text" requests (`--requests`, 16 by default: GSM8K test questions 400-415 to copy word
+for word, so drafts from the prompt hit often) to one `LocalModel` (dtype gguf), N in flight at a time (each that
+ends lets the next start), for N in `--streams`, under each arm:
 `fixed-K` verifies K drafted tokens every round whatever the load (a `FixedController(K)` decoder, the
-scheduler's goodput plan off), `adaptive` is the library's default (the adaptive controller alone, the
-scheduler's goodput plan in a batch). Every arm uses the suffix drafter over a fresh suffix cache and prefix
-pool, so no run drafts from another's outputs. Reported: aggregate tok/s per arm and load, and whether
-adaptive is within `--tolerance` of the best fixed arm at that load.
+scheduler's goodput plan off), `adaptive` is the library's default (the suffix drafter's calibrated worths: each
+step verifies the draft rows that pay, over every sequence), `unpriced` (with `--extra unpriced`) sizes each
+sequence's chain by its acceptance rate instead (the scheduler's goodput plan in a batch, the adaptive controller
+alone). Every arm uses the suffix drafter over a fresh suffix cache and prefix pool, so no run drafts from
+another's outputs. Reported: aggregate tok/s per arm and load (`--repeat`: the median of interleaved runs), and
+adaptive against the best fixed arm at that load.
 
 Writes bench/results/goodput_sweep.json, .md and .png (matplotlib, the bench extra). Run:
   python bench/goodput_sweep.py                       # 1.5B, streams 1,2,4,8,16, fixed 0,2,4,8,16
@@ -19,6 +22,7 @@ import argparse
 import asyncio
 import json
 import os
+import statistics
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -31,7 +35,6 @@ from thinkahead.models.base import GenerationRequest
 from thinkahead.token_spec.controller import FixedController
 from thinkahead.token_spec.decoder import SpeculativeDecoder
 from thinkahead.token_spec.presets import build_decoder
-from thinkahead.token_spec.value_calibration import CalibratedDrafter
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -47,20 +50,29 @@ def use_arm(model: LocalModel, arm: str) -> None:
     model.prefix_pool.clear()
     common = dict(tokenizer=model.tokenizer, cache=model.suffix_cache, prefix_pool=model.prefix_pool)
     decoder = build_decoder("suffix", model.engine, **common)
-    if arm == "priced":
-        decoder = SpeculativeDecoder(model.engine, CalibratedDrafter(decoder.drafter), decoder.controller,
-                                     model.tokenizer, prefix_pool=model.prefix_pool)
+    inner = decoder.drafter.inner  # the suffix drafter, without its calibrated worths
+    if arm == "unpriced":
+        decoder = SpeculativeDecoder(model.engine, inner, decoder.controller, model.tokenizer,
+                                     prefix_pool=model.prefix_pool)
     elif arm != "adaptive":
-        decoder = SpeculativeDecoder(model.engine, decoder.drafter, FixedController(int(arm.split("-")[1])),
-                                     model.tokenizer, prefix_pool=model.prefix_pool)
+        decoder = SpeculativeDecoder(model.engine, inner, FixedController(int(arm.split("-")[1])), model.tokenizer,
+                                     prefix_pool=model.prefix_pool)
     model._speculative = decoder
-    model.scheduler.goodput = arm in ("adaptive", "priced")
+    model.scheduler.goodput = arm in ("adaptive", "unpriced")
 
 
-async def together(model: LocalModel, requests: list[GenerationRequest]) -> tuple[int, float]:
+async def together(model: LocalModel, requests: list[GenerationRequest], streams: int | None = None) -> tuple[int, float]:
+    """Tokens made and seconds taken by `requests`, `streams` in flight at a time (all at once if None): each
+    that ends lets the next start, as a server's clients or `run --concurrency` do."""
+    gate = asyncio.Semaphore(streams or len(requests))
+
+    async def one(r: GenerationRequest) -> int:
+        async with gate:
+            return (await model.generate(r)).completion_tokens
+
     t0 = time.perf_counter()
-    done = await asyncio.gather(*(model.generate(r) for r in requests))
-    return sum(c.completion_tokens for c in done), time.perf_counter() - t0
+    made = await asyncio.gather(*(one(r) for r in requests))
+    return sum(made), time.perf_counter() - t0
 
 
 def main() -> None:
@@ -69,29 +81,35 @@ def main() -> None:
     parser.add_argument("--streams", default="1,2,4,8,16")
     parser.add_argument("--fixed", default="0,2,4,8,16")
     parser.add_argument("--tokens", type=int, default=96)
-    parser.add_argument("--extra", default="", help="more arms, e.g. priced")
-    parser.add_argument("--tolerance", type=float, default=0.05, help="adaptive within this share of the best")
+    parser.add_argument("--requests", type=int, help="requests per cell (default: the most streams)")
+    parser.add_argument("--extra", default="", help="more arms: unpriced (chains sized by acceptance rates)")
+    parser.add_argument("--repeat", type=int, default=1, help="runs per cell (interleaved), the median reported")
     parser.add_argument("--out", type=Path, default=RESULTS / "goodput_sweep.json")
     args = parser.parse_args()
     streams = [int(s) for s in args.streams.split(",")]
     arms = [f"fixed-{k}" for k in args.fixed.split(",")] + ["adaptive"] + [a for a in args.extra.split(",") if a]
-    questions = [r["question"] for r in gsm8k("test")[400:400 + max(streams)]]
+    questions = [r["question"] for r in gsm8k("test")[400:400 + (args.requests or max(streams))]]
     load = os.getloadavg()
     model = LocalModel(args.model, dtype="gguf", drafter="suffix")
     # warm, two at once: the scheduler measures its forward cost by rows (once per engine) before any arm runs
     asyncio.run(together(model, [request("Two plus two.", 4), request("Three times three.", 4)]))
-    rates: dict[str, dict[int, float]] = {arm: {} for arm in arms}
-    for n in streams:
-        for arm in arms:
-            use_arm(model, arm)
-            made, wall = asyncio.run(together(model, [request(q, args.tokens) for q in questions[:n]]))
-            rates[arm][n] = made / wall
-            print(f"streams {n:2d} {arm:9s} {rates[arm][n]:6.1f} tok/s", flush=True)
+    runs: dict[str, dict[int, list[float]]] = {arm: {n: [] for n in streams} for arm in arms}
+    for _ in range(args.repeat):
+        for n in streams:
+            for arm in arms:
+                use_arm(model, arm)
+                made, wall = asyncio.run(together(model, [request(q, args.tokens) for q in questions], n))
+                runs[arm][n].append(made / wall)
+                print(f"streams {n:2d} {arm:9s} {made / wall:6.1f} tok/s", flush=True)
+    rates = {arm: {n: statistics.median(r) for n, r in by_n.items()} for arm, by_n in runs.items()}
     result = {"model": args.model, "tokens": args.tokens, "cpu": cpu_flags(), "load_average_before": load,
-              "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "tok_s": rates}
+              "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "repeat": args.repeat,
+              "tok_s": rates, "runs": runs}
     args.out.write_text(json.dumps(result, indent=1) + "\n")
-    lines = [f"`python bench/goodput_sweep.py`: {args.model} (dtype gguf), {args.tokens} tokens per stream, "
-             f"{result['cpu']}, load average {load[0]:.2f} before, {result['date']}. Aggregate tok/s:", "",
+    lines = [f"`python bench/goodput_sweep.py`: {args.model} (dtype gguf), {len(questions)} requests of "
+             f"{args.tokens} tokens at most, "
+             f"{result['cpu']}, load average {load[0]:.2f} before, {result['date']}. Aggregate tok/s"
+             f"{f' (the median of {args.repeat} interleaved runs)' if args.repeat > 1 else ''}:", "",
              "| streams | " + " | ".join(arms) + " | adaptive / best fixed |",
              "|---:|" + "---:|" * (len(arms) + 1)]
     for n in streams:

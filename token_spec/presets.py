@@ -90,9 +90,9 @@ def build_decoder(
     if kind == "suffix-tree":  # SuffixDecoding as published: the draft length follows the match length
         drafter, controller = model_free_drafter(kind, cache), MatchLengthController(max_draft)
     elif kind in MODEL_FREE_KINDS:
-        # calibrated worths: the decoder and the scheduler keep the rows that pay (goodput per row; at 2-8 copy
-        # streams of the 1.5B, 1.02-1.04x the best fixed draft length, where sizing chains by an acceptance
-        # rate gave 0.94-1.00x: docs/results/goodput_sweep.md)
+        # calibrated worths: the decoder and the scheduler keep the rows that pay (goodput per row; 1.5B, 1-16 copy
+        # streams: 0.99-1.06x the best fixed draft length, where chains sized by an acceptance rate gave 0.92-1.00x:
+        # docs/results/goodput_sweep.md)
         drafter, controller = CalibratedDrafter(model_free_drafter(kind, cache)), AdaptiveController(max_draft)
     elif kind == "draft-model":
         drafter = small_model_drafter(draft_engine)

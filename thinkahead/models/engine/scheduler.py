@@ -27,8 +27,9 @@ the shortest prompt left first, so one that joins beside a long prompt is not he
 per step). Speculation is sized by goodput (SmartSpec): after each forward the scheduler plans every sequence's
 next draft length from its acceptance rate and the measured cost of a forward by its rows (`goodput.allocate`),
 so it speculates where drafts hit and backs off as the batch fills; a sequence alone is left to its decoder's.
-A draft whose rows carry their worths (`ForwardCall.values`: calibrated chances, the draft head's) comes whole, and
-the step keeps, over all sequences, the rows that raise the forward's expected tokens per second (`_priced`).
+A draft whose rows carry their worths (`ForwardCall.values`: calibrated chances, every model-free drafter's and the
+draft head's) is not planned: the step keeps, over all sequences, the rows that raise the forward's expected tokens
+per second (`_priced`).
 """
 
 from __future__ import annotations
