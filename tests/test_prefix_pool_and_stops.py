@@ -117,3 +117,37 @@ def test_the_default_kv_budget_is_a_share_of_free_memory_by_the_models_kv_bytes(
     free = __import__("os").sysconf("SC_AVPHYS_PAGES") * __import__("os").sysconf("SC_PAGE_SIZE")
     assert abs(budget - free * 0.5 / per_token) / budget < 0.2  # free memory moves a little between the reads
     assert kv_token_budget(object(), 0.5) is None
+
+
+def test_a_prompt_sharing_part_of_a_pooled_context_copies_it_and_the_context_stays_whole(tiny_engine_factory) -> None:
+    engine = tiny_engine_factory("qwen2")
+    pool = KVPrefixPool(engine, max_sessions=4)
+    decoder = SpeculativeDecoder(engine, None, FixedController(0), prefix_pool=pool)
+    template = repetitive_prompt(3, 8)  # a chat template's first tokens, shared by two runs
+    a, b = template + repetitive_prompt(5, 40), template + repetitive_prompt(6, 40)
+    first = decoder.generate(a, 10, stop_token_ids=[])
+    other = decoder.generate(b, 10, stop_token_ids=[])  # run b's prompt matches the template only: a copy
+    assert other.stats.cached_tokens == len(template) and other.token_ids == plain_greedy(engine, b, 10)
+    # run a's next step finds its whole context (cut to the template, it would re-read 48 tokens)
+    step = a + first.token_ids + [7, 8]
+    again = decoder.generate(step, 10, stop_token_ids=[])
+    assert again.stats.cached_tokens == len(a) + len(first.token_ids) - 1
+    assert again.token_ids == plain_greedy(engine, step, 10)
+
+
+def test_a_copied_prefix_holds_the_same_kv_and_the_original_is_unchanged(tiny_engine_factory) -> None:
+    import torch
+
+    engine = tiny_engine_factory("llama")
+    ids = repetitive_prompt(4, 24)
+    source = engine.new_session()
+    engine.forward(source, ids)
+    copy = engine.copy_prefix(source, 10)
+    assert (copy.length, source.length) == (10, 24)
+    for mine, theirs in zip(copy.cache.layers, source.cache.layers):
+        assert torch.equal(mine.keys, theirs.keys[..., :10, :]) and torch.equal(mine.values, theirs.values[..., :10, :])
+    engine.forward(copy, [9, 9, 9])  # appending to the copy leaves the source's K/V as they were
+    assert torch.equal(source.cache.layers[0].keys[..., 10:13, :], engine.copy_prefix(source, 24).cache.layers[0].keys[
+        ..., 10:13, :])
+    with pytest.raises(ValueError, match=r"copy length must be an int in \[0, 24\], got 25"):
+        engine.copy_prefix(source, 25)

@@ -41,7 +41,9 @@ class ForwardCall:
 
 @runtime_checkable
 class TargetEngine(Protocol):
-    """A model over KV-cached sessions (thinkahead/models/engine/runner.py's `HFEngine` is the local one)."""
+    """A model over KV-cached sessions (thinkahead/models/engine/runner.py's `HFEngine` is the local one). An engine
+    may also have `copy_prefix(session, length)`: a new session with a copy of the first `length` tokens' K/V
+    (the prefix pool then shares part of a cached context without cutting it)."""
 
     vocab_size: int
 

@@ -253,6 +253,25 @@ class HFEngine:
         session.length = length
         session.last_start = session.last_parents = None
 
+    def copy_prefix(self, session: EngineSession, length: int) -> EngineSession:
+        """A new session holding a copy of `session`'s first `length` tokens' K/V (the same bits), `session`
+        unchanged: a prompt that shares only part of a pooled context reuses it without cutting it short."""
+        if not isinstance(length, Integral) or not 0 <= length <= session.length:
+            raise ValueError(f"copy length must be an int in [0, {session.length}], got {length!r}")
+        copy = self.new_session()
+        if length:
+            with torch.inference_mode():
+                self._copy_layers(session, copy, length)
+        copy.length = int(length)
+        return copy
+
+    @staticmethod
+    def _copy_layers(session: EngineSession, copy: EngineSession, length: int) -> None:
+        for layer in session.cache.layers:
+            fresh = copy.cache.layer_class_to_replicate()
+            fresh.update(layer.keys[..., :length, :], layer.values[..., :length, :])
+            copy.cache.layers.append(fresh)
+
     def logits_for_prefix(self, token_ids: list[int]) -> torch.Tensor:
         """Float32 logits `[len(token_ids), vocab]` of one fresh full forward with no cache (a reference)."""
         self._check_tokens(token_ids)
