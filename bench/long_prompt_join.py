@@ -107,13 +107,14 @@ def main() -> None:
     parser.add_argument("--joiners", type=int, default=4)
     parser.add_argument("--long", type=int, default=8192)
     parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--prefill-chunk", type=int, help="the engine's prefill_chunk (default: EngineConfig's)")
     parser.add_argument("--out", type=Path, default=RESULTS / "long_prompt_join.json")
     args = parser.parse_args()
     rows = gsm8k("test")[OFFSET:OFFSET + args.streams + args.joiners]
     questions = [r["question"] for r in rows[:args.streams]]
     joiners = [r["question"] for r in rows[args.streams:]]
     load_before = os.getloadavg()
-    model = LocalModel(args.model)
+    model = LocalModel(args.model, **({} if args.prefill_chunk is None else {"prefill_chunk": args.prefill_chunk}))
     long = long_question(model, args.long)
     asyncio.run(phase(model, questions[:1], joiners[:1], None, 4))  # warm the kernels and the template
     result: dict[str, Any] = {"model": args.model, "streams": args.streams, "tokens": args.tokens, "cpu": cpu_flags(),

@@ -22,7 +22,7 @@ Memory: under a KV budget (`max_tokens`) a generation starts only while the live
 and longest output each) leave room for its own; the rest wait in arrival order. Nothing live is ever preempted.
 
 Load: a long prompt is prefilled in pieces of `prefill_chunk` tokens while others decode, so it holds them
-for one piece per step at most; a step holds at most `max_rows` rows (decode rounds first, then prefill chunks,
+for one piece per step (a short prompt, up to two, is read whole); a step holds at most `max_rows` rows (decode rounds first, then prefill chunks,
 the shortest prompt left first, so one that joins beside a long prompt is not held behind it; at least one call
 per step). Speculation is sized by goodput (SmartSpec): after each forward the scheduler plans every sequence's
 next draft length from its acceptance rate and the measured cost of a forward by its rows (`goodput.allocate`),
@@ -56,6 +56,11 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 PREFILL_PATIENCE = 8  # steps a prompt is passed over by shorter ones before it is read (then it takes a piece)
+# A prompt of up to this many prefill chunks is read whole in one step where it comes first, not cut: cut at 64, a
+# 65-token prompt waited a whole step for its last token (4 GSM8K prompts of 65-96 tokens joining 16 decoding
+# streams of the 1.5B on an AMX Xeon: the last first token after 3.49 s, read whole 2.80 s, the streams' longest
+# gap the same: docs/results/long_prompt_join.md); the decoders then wait for up to this many chunks' rows
+WHOLE_PROMPT_CHUNKS = 2
 PRIOR_SMOOTHING = 0.1  # how far one sequence's reported acceptance moves its engine's prior for new ones
 
 
@@ -354,8 +359,8 @@ class BatchScheduler:
         then prefills, the shortest left first (a short prompt joining beside a long one is not held behind it;
         one passed over `PREFILL_PATIENCE` steps goes first). Where the engine batches rows exactly a prefill is
         cut into pieces (a piece's K/V are the bits the whole prompt's are): while sequences decode, the step's
-        prefill pieces hold at most `prefill_chunk` rows, so a long prompt delays them one chunk per step; with
-        none decoding, up to `max_rows`. At least one call per step (of `lane`'s engine)."""
+        prefill pieces hold `prefill_chunk` rows (a prompt of up to `WHOLE_PROMPT_CHUNKS` chunks that comes first
+        is read whole), so a long prompt delays them one chunk per step; with none decoding, up to `max_rows`. At least one call per step (of `lane`'s engine)."""
         live = sorted((i for i in self._live if self._on(i) is lane), key=lambda i: i.joined)[:self.max_batch]
         if lane.prefill_chunk is None:  # the engine runs the calls one by one: rows cost what they cost
             return [(item, item.call, True) for item in live]
@@ -371,13 +376,14 @@ class BatchScheduler:
                 chosen.append((item, call, True))
                 rows += n
         room = self.max_rows if not chosen else min(lane.prefill_chunk, self.max_rows - rows)
+        whole = min(WHOLE_PROMPT_CHUNKS * lane.prefill_chunk, self.max_rows - rows)  # a short prompt, never cut
         for item in prefill:
             call, n = item.call, len(item.call.token_ids)
             if room <= 0:
                 item.passed += 1
                 continue
             item.passed = 0
-            if n <= room:
+            if n <= room or (n <= whole and room == lane.prefill_chunk):  # the step's first piece
                 chosen.append((item, call, True))
                 room -= n
             else:
