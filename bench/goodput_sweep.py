@@ -61,7 +61,8 @@ def use_arm(model: LocalModel, arm: str) -> None:
     model.scheduler.goodput = arm in ("adaptive", "unpriced")
 
 
-async def together(model: LocalModel, requests: list[GenerationRequest], streams: int | None = None) -> tuple[int, float]:
+async def together(model: LocalModel, requests: list[GenerationRequest],
+                   streams: int | None = None) -> tuple[int, float]:
     """Tokens made and seconds taken by `requests`, `streams` in flight at a time (all at once if None): each
     that ends lets the next start, as a server's clients or `run --concurrency` do."""
     gate = asyncio.Semaphore(streams or len(requests))

@@ -219,8 +219,8 @@ def test_a_long_prompt_joins_in_pieces_while_others_decode_and_every_output_is_e
 
 
 def test_a_prompt_of_up_to_two_chunks_is_read_whole_in_one_step_beside_decoders(engine, monkeypatch) -> None:
-    # cut at 16, a 20-token prompt waits a whole step for its last 4 tokens (bench/long_prompt_join.py: 4 GSM8K prompts
-    # of 65-96 tokens joining 16 decoding streams, read in pieces of 64, the last first token after 3.08 s)
+    # cut at 16, a 20-token prompt waits a whole step for its last 4 tokens (bench/long_prompt_join.py: 4 GSM8K
+    # prompts of 65-96 tokens joining 16 decoding streams, read in pieces of 64, the last first token after 3.08 s)
     from thinkahead.models.engine.scheduler import WHOLE_PROMPT_CHUNKS
 
     decoder = build_decoder("none", engine)
@@ -229,8 +229,8 @@ def test_a_prompt_of_up_to_two_chunks_is_read_whole_in_one_step_beside_decoders(
     expected = [plain_greedy(engine, p, 40) for p in decoding] + [plain_greedy(engine, p, 3) for p in joiners]
     sizes: list[list[int]] = []
     real = engine.forward_batch
-    monkeypatch.setattr(engine, "forward_batch", lambda calls: sizes.append([len(c.token_ids) for c in calls
-                                                                             if c.last_only]) or real(calls))
+    monkeypatch.setattr(engine, "forward_batch",
+                        lambda calls: sizes.append([len(c.token_ids) for c in calls if c.last_only]) or real(calls))
     scheduler = BatchScheduler(engine, prefill_chunk=16)
     futures = [scheduler.submit(lambda p=p: decoder.rounds(p, 40, stop_token_ids=[], share=scheduler.share()))
                for p in decoding]
@@ -240,7 +240,8 @@ def test_a_prompt_of_up_to_two_chunks_is_read_whole_in_one_step_beside_decoders(
     assert [f.result(timeout=60).token_ids for f in futures] == expected
     scheduler.close()
     pieces = [n for step in sizes[3:] for n in step]
-    assert [n for n in pieces if n >= 16] == [23, 24, 25, 16, 23]  # each short one whole; the longer one: a piece, then the rest
+    # each short one whole; the longer one: a piece, then the rest
+    assert [n for n in pieces if n >= 16] == [23, 24, 25, 16, 23]
 
 
 

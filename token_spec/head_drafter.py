@@ -28,7 +28,7 @@ them (1.5B: 1.3 ms a pass; guessed one sequence at a time, 3 chains of thought s
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch

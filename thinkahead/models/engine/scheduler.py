@@ -22,11 +22,12 @@ Memory: under a KV budget (`max_tokens`) a generation starts only while the live
 and longest output each) leave room for its own; the rest wait in arrival order. Nothing live is ever preempted.
 
 Load: a long prompt is prefilled in pieces of `prefill_chunk` tokens while others decode, so it holds them
-for one piece per step (a short prompt, up to two, is read whole); a step holds at most `max_rows` rows (decode rounds first, then prefill chunks,
-the shortest prompt left first, so one that joins beside a long prompt is not held behind it; at least one call
-per step). Speculation is sized by goodput (SmartSpec): after each forward the scheduler plans every sequence's
-next draft length from its acceptance rate and the measured cost of a forward by its rows (`goodput.allocate`),
-so it speculates where drafts hit and backs off as the batch fills; a sequence alone is left to its decoder's.
+for one piece per step (a prompt of up to two pieces is read whole); a step holds at most `max_rows` rows (decode
+rounds first, then prefill chunks, the shortest prompt left first, so one that joins beside a long prompt is not
+held behind it; at least one call per step). Speculation is sized by goodput (SmartSpec): after each forward the
+scheduler plans every sequence's next draft length from its acceptance rate and the measured cost of a forward by
+its rows (`goodput.allocate`), so it speculates where drafts hit and backs off as the batch fills; a sequence
+alone is left to its decoder's.
 A draft whose rows carry their worths (`ForwardCall.values`: calibrated chances, every model-free drafter's and the
 draft head's) is not planned: the step keeps, over all sequences, the rows that raise the forward's expected tokens
 per second (`_priced`).
@@ -360,7 +361,8 @@ class BatchScheduler:
         one passed over `PREFILL_PATIENCE` steps goes first). Where the engine batches rows exactly a prefill is
         cut into pieces (a piece's K/V are the bits the whole prompt's are): while sequences decode, the step's
         prefill pieces hold `prefill_chunk` rows (a prompt of up to `WHOLE_PROMPT_CHUNKS` chunks that comes first
-        is read whole), so a long prompt delays them one chunk per step; with none decoding, up to `max_rows`. At least one call per step (of `lane`'s engine)."""
+        is read whole), so a long prompt delays them one chunk per step; with none decoding, up to `max_rows`. At
+        least one call per step (of `lane`'s engine)."""
         live = sorted((i for i in self._live if self._on(i) is lane), key=lambda i: i.joined)[:self.max_batch]
         if lane.prefill_chunk is None:  # the engine runs the calls one by one: rows cost what they cost
             return [(item, item.call, True) for item in live]
